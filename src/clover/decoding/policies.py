@@ -1,0 +1,61 @@
+"""Decoding policies: which masked positions of the block to commit at a step.
+
+The block loop (`loop.py`) exists once; a policy only sees the confidences of the masked
+positions it may commit and returns which to commit. `ar` is the one-position block, so on
+a token-shifted model it is exactly autoregressive decoding with a KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from clover.errors import CloverError
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base: commit every masked position (what a one-position block needs)."""
+
+    block_size: int = 1
+    name: str = "ar"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise CloverError(f"block_size must be a positive integer, got {self.block_size!r}")
+
+    def select(self, confidence: torch.Tensor) -> torch.Tensor:
+        """confidence [n] of the masked positions (n >= 1) -> bool [n], at least one True."""
+        return torch.ones_like(confidence, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class LowConfidence(Policy):
+    """Commit every position whose confidence >= threshold; if none, the most confident one."""
+
+    block_size: int = 32
+    threshold: float = 0.95
+    name: str = "low_confidence"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.threshold >= 0:
+            raise CloverError(f"threshold must be >= 0, got {self.threshold}")
+
+    def select(self, confidence: torch.Tensor) -> torch.Tensor:
+        chosen = confidence >= self.threshold
+        if not bool(chosen.any()):
+            chosen[int(confidence.argmax())] = True
+        return chosen
+
+
+DECODERS = ("ar", "low_confidence")
+
+
+def make_policy(name: str, block_size: int = 32, threshold: float = 0.95) -> Policy:
+    if name == "ar":
+        return Policy()
+    if name == "low_confidence":
+        return LowConfidence(block_size=block_size, threshold=threshold)
+    raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")

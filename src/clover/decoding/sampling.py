@@ -1,0 +1,65 @@
+"""Turning logits into a token and a confidence per position.
+
+Greedy (temperature 0) takes the arg-max and reports its softmax probability; sampling draws
+from the temperature-scaled distribution after top-k / top-p filtering and reports the
+probability of the drawn token under that distribution. The confidence is what decoding
+policies threshold on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from clover.errors import CloverError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise CloverError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise CloverError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise CloverError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] after temperature, top-k and top-p."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the mass before it already reaches top_p (the top one always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (tokens [N] long, confidence [N] float)."""
+    if params.greedy:
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return tokens, conf
+    probs = filtered_probs(logits.float(), params)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,103 @@
+"""What every architecture shares: the forward modes, the cache contract, the LM head call.
+
+An architecture subclasses `DiffusionLM` and implements `make_layer_caches` and `backbone`.
+The model maps token ids (+ cache) to hidden states; `logits()` is a separate call so callers
+project only the positions they need (the LM head is a large share of a small model's step).
+It does no sampling, no noising and no cache policy.
+
+Modes of `forward`:
+- "causal": every input token is committed causally onto the prefix (prefill, AR steps,
+  committing a finished block).
+- "block": the first `n_commit` tokens (default 0) are committed causally, the rest form the
+  current block, which attends to itself bidirectionally and to the prefix, and is not kept.
+- "train": a whole-sequence `StepLayout` from `training_layout`, no cache.
+Without a cache, "causal"/"block" run on a fresh one (the uncached reference).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from clover.errors import CloverError
+from clover.models.cache import LayerCache, ModelCache
+from clover.models.layout import StepLayout, cached_layout
+
+Mode = Literal["causal", "block", "train"]
+
+
+class DiffusionLM(nn.Module):
+    config: object  # the architecture's config dataclass
+
+    def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
+        raise NotImplementedError
+
+    def backbone(
+        self, input_ids: torch.Tensor, layout: StepLayout, caches: list[LayerCache] | None
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> final-normed hidden states [B, T, D]."""
+        raise NotImplementedError
+
+    def reset_buffers(self) -> None:
+        """Recompute state that checkpoints do not hold (called after loading)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V]."""
+        raise NotImplementedError
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    def make_cache(self, batch_size: int) -> ModelCache:
+        return ModelCache(self.make_layer_caches(batch_size), batch_size, self.context_length)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: ModelCache | None = None,
+        mode: Mode = "causal",
+        *,
+        n_commit: torch.Tensor | int | None = None,
+        n_valid: torch.Tensor | int | None = None,
+        layout: StepLayout | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> hidden [B, T, D].
+
+        n_valid [B] (default T): tokens per row that are not padding. n_commit [B] (mode
+        "block" only, default 0): leading tokens committed causally before the block.
+        """
+        B, T = input_ids.shape
+        if mode == "train":
+            if layout is None or cache is not None:
+                raise CloverError("mode 'train' takes a training layout and no cache")
+            return self.backbone(input_ids, layout, None)
+        if mode not in ("causal", "block"):
+            raise CloverError(f"unknown forward mode {mode!r}: causal, block or train")
+        if cache is None:
+            cache = self.make_cache(B)
+        if cache.batch_size != B:
+            raise CloverError(f"cache holds {cache.batch_size} rows, input has {B}")
+        valid = _per_row(n_valid, T, B)
+        if mode == "causal":
+            commit, block = valid, torch.zeros_like(valid)
+        else:
+            commit = _per_row(n_commit, 0, B)
+            block = valid - commit
+            if bool((block < 0).any()):
+                raise CloverError("n_commit exceeds the number of valid tokens")
+        cache.prepare(T)
+        step = cached_layout(commit, block, cache.lengths, T)
+        hidden = self.backbone(input_ids, step, cache.layers)
+        cache.advance(commit)
+        return hidden
+
+
+def _per_row(value: torch.Tensor | int | None, default: int, batch: int) -> torch.Tensor:
+    if value is None:
+        value = default
+    if isinstance(value, int):
+        return torch.full((batch,), value, dtype=torch.long)
+    return value.to(torch.long)

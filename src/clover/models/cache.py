@@ -1,0 +1,114 @@
+"""Caches and the per-forward layout shared by every layer.
+
+Decisions:
+- One cache object per layer, made by the model (`model.make_cache`), held in a `ModelCache`
+  that also owns the committed length of every row. Attention layers hold K/V; a recurrent
+  layer (Gated DeltaNet) will hold its conv + recurrent state behind the same `LayerCache`
+  interface, so the decoding loop never sees layer types.
+- A forward in the cached modes reads, per row, `n_commit` tokens that are committed causally
+  (appended to the prefix) followed by `n_block` tokens that form the current block (they see
+  the prefix, the committed tokens and each other, and are never written to the prefix), then
+  padding. Prefill, an AR step, a block preview and the fused "commit the finished block +
+  preview the next one" pass are all this one layout with different counts.
+- Attention layers write the K/V of *all* input tokens into the slots just past the committed
+  length, as scratch, and only `advance()` moves the committed length. So a preview can never
+  corrupt the prefix: the slots it writes are overwritten by the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clover.errors import CloverError
+from clover.models.layout import StepLayout
+
+
+class LayerCache:
+    """Interface of a per-layer cache; subclasses hold the state of one layer type."""
+
+    def reserve(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (sequences leaving a batch)."""
+        raise NotImplementedError
+
+
+class KVCache(LayerCache):
+    """K/V of one attention layer: k, v [B, H_kv, capacity, D]."""
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.k = torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        B, H, _, D = self.k.shape
+        k = self.k.new_zeros(B, H, capacity, D)
+        v = self.v.new_zeros(B, H, capacity, D)
+        k[:, :, : self.capacity] = self.k
+        v[:, :, : self.capacity] = self.v
+        self.k, self.v = k, v
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, layout: StepLayout) -> tuple:
+        """Write k, v [B, H_kv, T, D] at slots lengths[b] + t; return keys/values to attend.
+
+        Returns k, v [B, H_kv, S, D] with S = max(lengths) + T (what `layout.mask` covers).
+        """
+        T = k.shape[2]
+        lengths = layout.lengths
+        lo = int(lengths.min())
+        hi = int(lengths.max())
+        if lo == hi:  # every row at the same length: a plain slice write
+            self.k[:, :, lo : lo + T] = k
+            self.v[:, :, lo : lo + T] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            slots = lengths[:, None] + torch.arange(T, device=k.device)[None, :]  # [B, T]
+            self.k[rows, :, slots] = k.transpose(1, 2)
+            self.v[rows, :, slots] = v.transpose(1, 2)
+        return self.k[:, :, : hi + T], self.v[:, :, : hi + T]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.k = self.k[rows]
+        self.v = self.v[rows]
+
+
+class ModelCache:
+    """The whole model's cache: one `LayerCache` per layer and the committed length per row."""
+
+    def __init__(self, layers: list[LayerCache], batch: int, max_length: int) -> None:
+        self.layers = layers
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+        self.max_length = max_length  # the model's context (prompt + generation)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def prepare(self, num_tokens: int) -> None:
+        """Make room for a forward of `num_tokens` tokens; refuse to pass the context."""
+        need = int(self.lengths.max()) + num_tokens
+        if need > self.max_length:
+            raise CloverError(
+                f"sequence would reach {need} tokens, over the model's context of "
+                f"{self.max_length} (prompt + generation)"
+            )
+        for layer in self.layers:
+            current = getattr(layer, "capacity", 0)
+            if need > current:  # grow geometrically so long generations copy rarely
+                layer.reserve(min(self.max_length, max(need, 2 * current, 256)))
+
+    def advance(self, n_commit: torch.Tensor) -> None:
+        self.lengths = self.lengths + n_commit
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        for layer in self.layers:
+            layer.select(rows)
+        self.lengths = self.lengths[rows]

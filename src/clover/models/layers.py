@@ -1,0 +1,101 @@
+"""Building blocks shared by architectures: RMSNorm, rotary embeddings, attention, SwiGLU.
+
+Attention reads a `StepLayout`: in the cached modes it writes K/V to its `KVCache` and
+attends over the cache slots with the layout's mask; in the training layout (no cache) it
+attends over the input with the layout's explicit mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover.errors import CloverError
+from clover.models.cache import KVCache, StepLayout
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2], with the rope_scaling types we support."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).float()
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp
+        # between (Meta's published rope scaling).
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(mid, blended, scaled).float()
+    raise CloverError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, 1, T, rotary_dim] (halves repeated, rotate-half form)."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; rotates the first cos.shape[-1] dims (partial rotary leaves the rest)."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: StepLayout,
+    cache: KVCache | None,
+) -> torch.Tensor:
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D] under the layout's mask."""
+    if cache is not None:
+        k, v = cache.write(k, v, layout)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

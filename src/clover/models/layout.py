@@ -1,0 +1,87 @@
+"""The layout of one forward pass: which tokens commit, which form the block, who sees whom.
+
+Cached modes (`cached_layout`): per row, n_commit tokens committed causally onto the prefix,
+then n_block tokens of the current block (bidirectional among themselves, reading the prefix),
+then padding. Training (`training_layout`): a whole sequence [clean prompt + answer | noisy copy
+of the answer] with no cache, where the clean part is causal and each noisy block sees the
+clean tokens before it and itself bidirectionally. A noisy block in training sees exactly what
+the same block sees at inference when its prefix was committed causally, so the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepLayout:
+    """What one forward pass does, per row.
+
+    input_ids: [B, T]; row b holds n_commit[b] committed tokens, then n_block[b] block tokens,
+    then padding. lengths[b] is the committed prefix length before this pass.
+    """
+
+    n_commit: torch.Tensor  # [B] long
+    n_block: torch.Tensor  # [B] long
+    lengths: torch.Tensor  # [B] long
+    positions: torch.Tensor  # [B, T] long, absolute positions (RoPE)
+    mask: torch.Tensor | None  # [B, 1, T, S] bool, True = may attend; None = all visible
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[1]
+
+
+def cached_layout(
+    n_commit: torch.Tensor, n_block: torch.Tensor, lengths: torch.Tensor, num_tokens: int
+) -> StepLayout:
+    """Layout for a forward over a KV prefix; keys are cache slots [0, max(lengths) + T)."""
+    device = lengths.device
+    T = num_tokens
+    t = torch.arange(T, device=device)
+    positions = lengths[:, None] + t[None, :]  # [B, T]
+    S = int(lengths.max()) + T
+    rel = torch.arange(S, device=device)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
+    qi = t[None, :, None]  # [1, T, 1]
+    nc = n_commit[:, None, None]
+    nb = n_block[:, None, None]
+    is_block_query = (qi >= nc) & (qi < nc + nb)  # [B, T, 1]
+    # Committed queries (and padding) are causal; block queries see the whole block.
+    mask = torch.where(is_block_query, rel < nc + nb, rel <= qi)  # [B, T, S]
+    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None])
+
+
+def training_layout(
+    prompt_lens: torch.Tensor, clean_len: int, answer_len: int, block_size: int
+) -> StepLayout:
+    """Layout for [clean (prompt + answer, padded to clean_len) | noisy answer (answer_len)].
+
+    prompt_lens: [B]. Row b's answer starts at position prompt_lens[b]; answer index i belongs to
+    block i // block_size (blocks start where the answer starts, as in decoding). Clean token t
+    sees clean tokens <= t. Noisy token i sees clean tokens before its block and the noisy tokens
+    of its own block. Positions of noisy tokens equal those of their clean twins.
+    Returns a layout over T = clean_len + answer_len tokens with a [B, 1, T, T] mask.
+    """
+    B = prompt_lens.shape[0]
+    device = prompt_lens.device
+    T = clean_len + answer_len
+    idx = torch.arange(T, device=device)
+    is_noisy = idx >= clean_len  # [T]
+    answer_idx = (idx - clean_len).clamp(min=0)  # [T], meaningful for noisy tokens
+    p = prompt_lens[:, None]  # [B, 1]
+    positions = torch.where(is_noisy, p + answer_idx, idx.expand(B, T))  # [B, T]
+    block_start = p + (answer_idx // block_size) * block_size  # [B, T] in clean positions
+    q_noisy = is_noisy[None, :, None]
+    k_noisy = is_noisy[None, None, :]
+    # clean query: causal over clean keys
+    clean_q = ~k_noisy & (idx[None, None, :] <= idx[None, :, None])
+    # noisy query: clean keys before its block start, noisy keys of the same block
+    same_block = (answer_idx[:, None] // block_size) == (answer_idx[None, :] // block_size)
+    noisy_q = torch.where(
+        k_noisy, same_block[None], idx[None, None, :] < block_start[:, :, None]
+    )
+    mask = torch.where(q_noisy, noisy_q, clean_q.expand(B, T, T))
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
+    return StepLayout(zeros, zeros, zeros, positions, mask[:, None])

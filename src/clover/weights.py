@@ -1,0 +1,176 @@
+"""Checkpoint files <-> state dicts: HF directories (sharded safetensors), GGUF, saving.
+
+Every reader returns (config dict, state dict with HF names) so one path builds the model;
+the architecture module owns the name maps. Problems with files (missing, truncated, wrong
+shapes, unknown architecture) raise `CloverError` naming the file or tensor. Saving writes
+into a temporary directory next to the target and renames it, so a crash never leaves a
+half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from clover.errors import CloverError
+from clover.models import DiffusionLM, architecture, build_model, make_config
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"
+
+
+def read_config(directory: Path) -> dict:
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise CloverError(f"no {CONFIG} in {directory}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CloverError(f"{path} is not valid JSON: {e}") from None
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of an HF directory: the index's shards, or every *.safetensors."""
+    directory = Path(directory)
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CloverError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CloverError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CloverError(f"no *.safetensors weights in {directory}")
+    return files
+
+
+def read_safetensors(files: Iterable[Path]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    state[name] = fh.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CloverError(f"cannot read {f} (truncated or not safetensors?): {e}") from None
+    return state
+
+
+def read_hf_dir(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config = read_config(directory)
+    return config, read_safetensors(safetensors_files(directory))
+
+
+def gguf_metadata(reader: object) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            continue  # large and handled by the tokenizer converter
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 (exotic field types are not needed for weights)
+            continue
+    return meta
+
+
+def read_gguf(path: Path, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A GGUF file -> (HF-style config dict, float32 state dict with HF names)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    if not path.is_file():
+        raise CloverError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 (the reader raises many types on bad files)
+        raise CloverError(f"cannot read GGUF file {path} (truncated or not GGUF?): {e}") from None
+    meta = gguf_metadata(reader)
+    arch_name = meta.get("general.architecture")
+    arch = architecture({"llama": "llama", "qwen2": "qwen2"}.get(arch_name, arch_name))
+    config = arch.config_from_gguf(meta)
+    arrays: dict[str, np.ndarray] = {}
+    tensors = reader.tensors
+    if progress:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor")
+    for t in tensors:
+        try:
+            arrays[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise CloverError(
+                f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, "
+                "which cannot be dequantized"
+            ) from None
+    arrays = arch.tensors_from_gguf(arrays, config)
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    return config, state
+
+
+def load_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy a (sanitized) state dict into the model, checking names and shapes first."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing:
+        raise CloverError(f"{source}: missing tensor(s) {', '.join(missing[:5])}")
+    if unexpected:
+        raise CloverError(f"{source}: unexpected tensor(s) {', '.join(unexpected[:5])}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise CloverError(
+                f"{source}: tensor {name} has shape {tuple(t.shape)}, "
+                f"the config needs {tuple(own[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, t in state.items():
+            own[name].copy_(t)
+
+
+def model_from_state(
+    config_dict: dict, state: dict[str, torch.Tensor], source: str, dtype: torch.dtype
+) -> DiffusionLM:
+    config = make_config(config_dict)
+    arch = architecture(config.model_type)
+    with torch.device("meta"):
+        model = build_model(config)
+    model = model.to_empty(device="cpu")
+    model.reset_buffers()  # non-persistent buffers (RoPE frequencies) are not in checkpoints
+    load_state(model, arch.sanitize(state, config), source)
+    return model.to(dtype).eval()
+
+
+def save_checkpoint(model: DiffusionLM, directory: Path, extra_files: Iterable[Path] = ()) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer files) atomically into `directory`."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        for f in extra_files:
+            shutil.copy2(f, tmp / Path(f).name)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory

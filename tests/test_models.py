@@ -1,0 +1,139 @@
+import pytest
+import torch
+
+from clover.errors import CloverError
+from clover.models import build_model, make_config
+from clover.models.layers import rope_inv_freq
+from clover.models.layout import training_layout
+from tests.conftest import TINY, tiny_model
+
+ATOL = 1e-4
+
+
+def logits(model, ids, cache=None, mode="causal", **kw):
+    with torch.no_grad():
+        return model.logits(model(ids, cache, mode, **kw))
+
+
+def test_config_validation():
+    with pytest.raises(CloverError, match="multiple of num_key_value_heads"):
+        make_config({**TINY, "num_key_value_heads": 3})
+    with pytest.raises(CloverError, match="unknown architecture"):
+        make_config({**TINY, "model_type": "mamba"})
+    with pytest.raises(CloverError, match="mask_token_id"):
+        make_config({**TINY, "mask_token_id": 64})
+    with pytest.raises(CloverError, match="hidden_size"):
+        make_config({**TINY, "hidden_size": 0})
+    with pytest.raises(CloverError, match="rope_scaling"):
+        make_config({**TINY, "rope_scaling": {"rope_type": "yarn", "factor": 2}})
+    cfg = make_config({**TINY, "some_unknown_key": 1})
+    assert cfg.to_dict()["some_unknown_key"] == 1
+
+
+def test_cached_equals_uncached_causal(model):
+    ids = torch.randint(0, 64, (2, 30))
+    full = logits(model, ids)
+    cache = model.make_cache(2)
+    parts = [logits(model, ids[:, a:b], cache) for a, b in [(0, 11), (11, 12), (12, 30)]]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=ATOL, rtol=0)
+    assert cache.lengths.tolist() == [30, 30]
+
+
+def test_block_preview_never_touches_prefix(model):
+    ids = torch.randint(0, 64, (1, 24))
+    cache = model.make_cache(1)
+    model(ids[:, :16], cache)
+    before = [layer.k[:, :, :16].clone() for layer in cache.layers]
+    noisy = ids[:, 16:].clone()
+    noisy[:, ::2] = 3  # masks
+    cached = logits(model, noisy, cache, "block")
+    assert cache.lengths.item() == 16
+    for layer, k in zip(cache.layers, before):
+        assert torch.equal(layer.k[:, :, :16], k)
+    # uncached reference: the prefix committed and the block previewed in one fresh pass
+    fresh = logits(model, torch.cat([ids[:, :16], noisy], 1), None, "block", n_commit=16)
+    torch.testing.assert_close(cached, fresh[:, 16:], atol=ATOL, rtol=0)
+    # the block is bidirectional: changing its last token changes the first position's output
+    other = noisy.clone()
+    other[:, -1] = 7
+    assert not torch.allclose(logits(model, other, cache, "block")[:, 0], cached[:, 0])
+    # and after many previews, a causal continuation still matches the uncached model
+    cont = logits(model, ids[:, 16:], cache)
+    torch.testing.assert_close(cont, logits(model, ids)[:, 16:], atol=ATOL, rtol=0)
+
+
+def test_fused_commit_and_preview(model):
+    ids = torch.randint(0, 64, (1, 28))
+    block = torch.full((1, 8), 3)
+    a = model.make_cache(1)
+    model(ids[:, :20], a)
+    fused = logits(model, torch.cat([ids[:, 20:], block], 1), a, "block", n_commit=8)
+    b = model.make_cache(1)
+    model(ids, b)
+    separate = logits(model, block, b, "block")
+    torch.testing.assert_close(fused[:, 8:], separate, atol=ATOL, rtol=0)
+    assert a.lengths.item() == b.lengths.item() == 28
+
+
+def test_rows_at_different_lengths_match_single_rows(model):
+    seqs = [torch.randint(0, 64, (n,)) for n in (5, 13, 9)]
+    blocks = [torch.randint(0, 64, (4,)) for _ in seqs]
+    cache = model.make_cache(3)
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(3, T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    model(ids, cache, n_valid=torch.tensor([len(s) for s in seqs]))
+    batched = logits(model, torch.stack(blocks), cache, "block")
+    for i, s in enumerate(seqs):
+        single = model.make_cache(1)
+        model(s[None], single)
+        torch.testing.assert_close(
+            batched[i], logits(model, blocks[i][None], single, "block")[0], atol=ATOL, rtol=0
+        )
+
+
+def test_training_layout_matches_cached_blocks(model):
+    prompt, answer, B = 6, 12, 4
+    ids = torch.randint(0, 64, (1, prompt + answer))
+    noisy = ids[:, prompt:].clone()
+    noisy[:, 1::3] = 3
+    layout = training_layout(torch.tensor([prompt]), prompt + answer, answer, B)
+    train = logits(model, torch.cat([ids, noisy], 1), mode="train", layout=layout)
+    torch.testing.assert_close(train[:, : prompt + answer], logits(model, ids), atol=ATOL, rtol=0)
+    cache = model.make_cache(1)
+    model(ids[:, :prompt], cache)
+    for j in range(answer // B):
+        blk = logits(model, noisy[:, j * B : (j + 1) * B], cache, "block")
+        got = train[:, prompt + answer + j * B : prompt + answer + (j + 1) * B]
+        torch.testing.assert_close(got, blk, atol=ATOL, rtol=0)
+        model(ids[:, prompt + j * B : prompt + (j + 1) * B], cache)
+
+
+def test_context_limit_is_enforced(model):
+    cache = model.make_cache(1)
+    with pytest.raises(CloverError, match="context of 256"):
+        model(torch.zeros(1, 257, dtype=torch.long), cache)
+
+
+def test_qwen2_and_tied_variants_build():
+    q = build_model(make_config({**TINY, "model_type": "qwen2", "tie_word_embeddings": True}))
+    assert q.model.layers[0].self_attn.q_proj.bias is not None
+    assert q.model.layers[0].self_attn.o_proj.bias is None
+    assert not hasattr(q, "lm_head")
+    n = sum(p.numel() for p in tiny_model().parameters())
+    assert n == tiny_model().config.num_params
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies():
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    base = rope_inv_freq(128, 500000.0, None)
+    scaled = rope_inv_freq(128, 500000.0, scaling)
+    assert torch.allclose(scaled[:8], base[:8])  # short wavelengths untouched
+    assert torch.allclose(scaled[-4:], base[-4:] / 8)  # long ones slowed by the factor
