@@ -119,7 +119,7 @@ def read_gguf(path: Path, progress: bool = False) -> tuple[dict, dict[str, torch
                 "which cannot be dequantized"
             ) from None
     arrays = arch.tensors_from_gguf(arrays, config)
-    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    state = {k: torch.from_numpy(np.require(v, requirements=["C", "W"])) for k, v in arrays.items()}
     return config, state
 
 

@@ -202,6 +202,8 @@ def generate(
         if wanted:
             with torch.inference_mode():
                 logits = model.logits(torch.stack(wanted))  # [N, V]
+            if config.mask_token_id is not None:
+                logits[:, config.mask_token_id] = float("-inf")  # [MASK] is never an answer
             tokens, conf = _sample_rows(logits, owners, sampling)
             start = 0
             while start < len(owners):
@@ -229,7 +231,7 @@ def generate(
             if new:
                 event.final[r.index] = new
                 r.emitted = len(final)
-                if reason is None and stop is not None and stop(r.index, final):
+                if stop is not None and stop(r.index, final):
                     reason = "stop"
             if reason is None:
                 keep.append(k)

@@ -24,10 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -83,11 +80,9 @@ def attend(
     """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D] under the layout's mask."""
     if cache is not None:
         k, v = cache.write(k, v, layout)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=layout.mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class SwiGLU(nn.Module):

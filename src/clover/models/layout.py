@@ -42,6 +42,9 @@ def cached_layout(
     T = num_tokens
     t = torch.arange(T, device=device)
     positions = lengths[:, None] + t[None, :]  # [B, T]
+    if T == 1 and bool((lengths == lengths[0]).all()):
+        # one token per row at a shared length (AR steps): every key slot is visible
+        return StepLayout(n_commit, n_block, lengths, positions, None)
     S = int(lengths.max()) + T
     rel = torch.arange(S, device=device)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
     qi = t[None, :, None]  # [1, T, 1]
@@ -79,9 +82,7 @@ def training_layout(
     clean_q = ~k_noisy & (idx[None, None, :] <= idx[None, :, None])
     # noisy query: clean keys before its block start, noisy keys of the same block
     same_block = (answer_idx[:, None] // block_size) == (answer_idx[None, :] // block_size)
-    noisy_q = torch.where(
-        k_noisy, same_block[None], idx[None, None, :] < block_start[:, :, None]
-    )
+    noisy_q = torch.where(k_noisy, same_block[None], idx[None, None, :] < block_start[:, :, None])
     mask = torch.where(q_noisy, noisy_q, clean_q.expand(B, T, T))
     zeros = torch.zeros(B, dtype=torch.long, device=device)
     return StepLayout(zeros, zeros, zeros, positions, mask[:, None])

@@ -216,7 +216,11 @@ class LlamaModel(DiffusionLM):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        w = (
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
+        )
         return F.linear(hidden, w).float()
 
 
@@ -268,11 +272,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     w: [n_heads * head_dim, ...] as stored in GGUF -> the HF row order.
     """
     rows = w.shape[0]
-    return (
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def config_from_gguf(meta: dict) -> dict:
@@ -303,9 +303,7 @@ def config_from_gguf(meta: dict) -> dict:
     return d
 
 
-def tensors_from_gguf(
-    tensors: dict[str, np.ndarray], config: dict
-) -> dict[str, np.ndarray]:
+def tensors_from_gguf(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
     """Dequantized GGUF tensors (numpy, HF orientation [out, in]) -> HF names and row order."""
     out = {}
     for name, w in tensors.items():

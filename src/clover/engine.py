@@ -1,0 +1,280 @@
+"""The Python API: `clover.LLM(model).generate(...)` / `.chat(...)` / `.stream(...)`.
+
+This is the edge where text meets token ids: it resolves and loads a model, renders chat
+templates, turns the decoding loop's events into text deltas, and applies stop strings.
+A GGUF checkpoint is converted once (dequantized weights + tokenizer) into an HF-format
+directory under the user cache, so later starts read safetensors directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from clover.decoding.loop import RowResult, generate
+from clover.decoding.policies import make_policy
+from clover.decoding.sampling import SamplingParams
+from clover.errors import CloverError
+from clover.registry import ResolvedModel, cache_dir, resolve
+from clover.tokenizer import Tokenizer
+from clover.weights import model_from_state, read_gguf, read_hf_dir, save_checkpoint
+
+DEFAULT_MODEL = "smollm2-135m"
+CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything a request may set; None means the model's default."""
+
+    decoder: str | None = None
+    block_size: int | None = None
+    threshold: float = 0.95
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    nfe: int
+    seconds: float
+    steps: list[int] = field(default_factory=list)  # denoising step that committed each token
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tpf(self) -> float:
+        return self.output_tokens / self.nfe if self.nfe else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class TextDelta:
+    row: int
+    text: str
+
+
+def converted_dir(resolved: ResolvedModel) -> Path:
+    """Where a GGUF file's converted checkpoint lives (keyed by file identity + overrides)."""
+    stat = resolved.path.stat()
+    overrides = resolved.entry.overrides if resolved.entry else {}
+    key = json.dumps(
+        [
+            str(resolved.path.resolve()),
+            stat.st_size,
+            stat.st_mtime_ns,
+            overrides,
+            CONVERSION_VERSION,
+        ]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{resolved.path.stem}-{digest}"
+
+
+def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
+    """An HF-format directory for the model, converting a GGUF file on first use."""
+    if resolved.kind == "hf":
+        return resolved.path
+    target = converted_dir(resolved)
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    from clover.gguf_tokenizer import convert_gguf_tokenizer
+
+    config, state = read_gguf(resolved.path, progress=progress)
+    if resolved.entry:
+        config.update(resolved.entry.overrides)
+    model = model_from_state(config, state, resolved.path.name, torch.float32)
+    tok_dir = target.parent / f".{target.name}.tokenizer"
+    convert_gguf_tokenizer(resolved.path, tok_dir)
+    try:
+        save_checkpoint(model, target, extra_files=sorted(tok_dir.iterdir()))
+    finally:
+        import shutil
+
+        shutil.rmtree(tok_dir, ignore_errors=True)
+    return target
+
+
+class LLM:
+    """A loaded model + tokenizer. `LLM("smollm2-135m")`, a GGUF path or an HF directory."""
+
+    def __init__(
+        self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", progress: bool = True
+    ) -> None:
+        if dtype not in DTYPES:
+            raise CloverError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        t0 = time.perf_counter()
+        self.resolved = resolve(model, progress=progress)
+        directory = prepare_checkpoint(self.resolved, progress)
+        config, state = read_hf_dir(directory)
+        self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
+        self.tokenizer = Tokenizer.from_dir(directory)
+        self.name = self.resolved.name
+        self.directory = directory
+        self.config = self.model.config
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+
+    def default_settings(self, settings: GenerationSettings) -> GenerationSettings:
+        return replace(
+            settings,
+            decoder=settings.decoder or self.config.default_decoder,
+            block_size=settings.block_size or self.config.block_size,
+        )
+
+    # --- prompts -------------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: list[dict], **template_kwargs: object) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_kwargs
+        )
+        return self.tokenizer.encode(text)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise CloverError("empty prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompts: list[list[int]],
+        settings: GenerationSettings,
+        completions: list | None = None,
+    ) -> Iterator[TextDelta]:
+        """Text deltas per row as tokens become final; `completions` is filled at the end."""
+        s = self.default_settings(settings)
+        policy = make_policy(s.decoder, s.block_size, s.threshold)
+        sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+        decoders = [self.tokenizer.stream(skip_special_tokens=True) for _ in prompts]
+        seen = [0 for _ in prompts]  # final tokens already decoded, per row
+        held = ["" for _ in prompts]  # decoded text held back while it may start a stop string
+        outbox = ["" for _ in prompts]  # text ready to emit
+        texts = ["" for _ in prompts]  # text emitted so far (never changes)
+        stopped = [False for _ in prompts]
+        results: list[RowResult] = []
+        t0 = time.perf_counter()
+
+        def on_final(row: int, final: list[int]) -> bool:
+            held[row] += decoders[row].push(final[seen[row] :])
+            seen[row] = len(final)
+            emit, held[row], stopped[row] = _split_stop(held[row], s.stop, final=False)
+            outbox[row] += emit
+            return stopped[row]
+
+        loop = generate(
+            self.model,
+            prompts,
+            policy,
+            max_new_tokens=s.max_tokens,
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+            stop=on_final,
+            results=results,
+        )
+        for event in loop:
+            for row in event.finished:
+                if not stopped[row]:
+                    tail = held[row] + decoders[row].flush()
+                    outbox[row] += _split_stop(tail, s.stop, final=True)[0]
+            for row, text in enumerate(outbox):
+                if text:
+                    texts[row] += text
+                    outbox[row] = ""
+                    yield TextDelta(row, text)
+        seconds = time.perf_counter() - t0
+        if completions is not None:
+            completions[:] = [
+                Completion(
+                    text=texts[i],
+                    token_ids=r.tokens,
+                    prompt_tokens=len(prompts[i]),
+                    finish_reason="stop" if stopped[i] else r.finish_reason,
+                    nfe=r.nfe,
+                    seconds=seconds,
+                    steps=r.steps,
+                )
+                for i, r in enumerate(results)
+            ]
+
+    def generate(
+        self, prompts: str | list[str], settings: GenerationSettings | None = None, **kw: object
+    ) -> list[Completion]:
+        """Raw-text prompts (no chat template) -> one Completion each."""
+        single = isinstance(prompts, str)
+        items = [prompts] if single else list(prompts)
+        if not items:
+            raise CloverError("no prompts given")
+        settings = _settings(settings, kw)
+        out: list[Completion] = []
+        for _ in self.stream([self.encode(p) for p in items], settings, out):
+            pass
+        return out
+
+    def chat(
+        self,
+        messages: list[dict],
+        settings: GenerationSettings | None = None,
+        **kw: object,
+    ) -> Completion:
+        settings = _settings(settings, kw)
+        out: list[Completion] = []
+        for _ in self.stream([self.chat_prompt(messages)], settings, out):
+            pass
+        return out[0]
+
+
+def _settings(settings: GenerationSettings | None, kw: dict) -> GenerationSettings:
+    if isinstance(kw.get("stop"), str):
+        kw["stop"] = (kw["stop"],)
+    elif kw.get("stop") is not None:
+        kw["stop"] = tuple(kw["stop"])
+    try:
+        return replace(settings or GenerationSettings(), **kw)
+    except TypeError as e:
+        raise CloverError(f"unknown generation setting: {e}") from None
+
+
+def _split_stop(text: str, stops: tuple[str, ...], final: bool) -> tuple[str, str, bool]:
+    """-> (text safe to emit, text to hold back, whether a stop string was found)."""
+    if not stops:
+        return text, "", False
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], "", True
+    if final:
+        return text, "", False
+    # hold back a tail that could be the start of a stop string
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                keep = max(keep, n)
+                break
+    return text[: len(text) - keep], text[len(text) - keep :], False
