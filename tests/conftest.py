@@ -69,3 +69,22 @@ class ScriptedModel(DiffusionLM):
             row[tok] = torch.tensor(c).log()
             out.view(-1, self.vocab)[idx] = row
         return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """An HF-format directory: a tiny random llama + a byte-level BPE tokenizer + ChatML."""
+    import json
+
+    from clover.weights import save_checkpoint
+    from tests.test_tokenizer import CHATML, _byte_level_backend
+
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny"
+    backend = _byte_level_backend()
+    eos = backend.token_to_id("<|im_end|>")
+    model = tiny_model(vocab_size=320, eos_token_id=eos, mask_token_id=0)
+    tok_dir = tmp_path_factory.mktemp("tokfiles")
+    backend.save(str(tok_dir / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "chat_template": CHATML}
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return save_checkpoint(model, directory, sorted(tok_dir.iterdir()))

@@ -1,3 +1,18 @@
 """Clover: block-diffusion language models on your own hardware."""
 
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "GenerationSettings", "CloverError", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # lazy: `clover --version` and the tokenizer tools should not pay for importing torch
+    if name in ("LLM", "GenerationSettings"):
+        from clover import engine
+
+        return getattr(engine, name)
+    if name == "CloverError":
+        from clover.errors import CloverError
+
+        return CloverError
+    raise AttributeError(name)

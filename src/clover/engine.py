@@ -126,7 +126,7 @@ class LLM:
         t0 = time.perf_counter()
         self.resolved = resolve(model, progress=progress)
         directory = prepare_checkpoint(self.resolved, progress)
-        config, state = read_hf_dir(directory)
+        config, state = read_hf_dir(directory, DTYPES[dtype])
         self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
         self.tokenizer = Tokenizer.from_dir(directory)
         self.name = self.resolved.name

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from clover.errors import CloverError
@@ -59,21 +58,59 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: Iterable[Path]) -> dict[str, torch.Tensor]:
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors(
+    files: Iterable[Path], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of the files, read one at a time and converted to `dtype` on the way.
+
+    Plain reads, not a memory map: a mapped file's pages count as resident memory, so mapping
+    a float32 checkpoint to build a bfloat16 model would double the peak footprint.
+    """
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    state[name] = fh.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if n <= 0 or 8 + n > size:
+                    raise ValueError("header length past the end of the file")
+                header = json.loads(fh.read(n))
+                header.pop("__metadata__", None)
+                base = 8 + n
+                for name, info in header.items():
+                    start, end = info["data_offsets"]
+                    if base + end > size:
+                        raise ValueError(f"tensor {name} runs past the end of the file")
+                    fh.seek(base + start)
+                    buf = bytearray(end - start)
+                    fh.readinto(buf)
+                    t = torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info["dtype"]])
+                    t = t.reshape(info["shape"]) if buf else t.new_empty(info["shape"])
+                    state[name] = t if dtype is None or not t.is_floating_point() else t.to(dtype)
+        except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
             raise CloverError(f"cannot read {f} (truncated or not safetensors?): {e}") from None
     return state
 
 
-def read_hf_dir(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_hf_dir(
+    directory: Path, dtype: torch.dtype | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_config(directory)
-    return config, read_safetensors(safetensors_files(directory))
+    return config, read_safetensors(safetensors_files(directory), dtype)
 
 
 def gguf_metadata(reader: object) -> dict:
@@ -123,8 +160,8 @@ def read_gguf(path: Path, progress: bool = False) -> tuple[dict, dict[str, torch
     return config, state
 
 
-def load_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy a (sanitized) state dict into the model, checking names and shapes first."""
+def check_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) -> None:
+    """Names and shapes of a (sanitized) state dict against the model, before any copy."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -138,22 +175,23 @@ def load_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) 
                 f"{source}: tensor {name} has shape {tuple(t.shape)}, "
                 f"the config needs {tuple(own[name].shape)}"
             )
-    with torch.no_grad():
-        for name, t in state.items():
-            own[name].copy_(t)
 
 
 def model_from_state(
     config_dict: dict, state: dict[str, torch.Tensor], source: str, dtype: torch.dtype
 ) -> DiffusionLM:
+    """Build the model on the meta device and adopt the tensors (converted one at a time, so
+    peak memory is one model in `dtype` plus one source tensor). Consumes `state`."""
     config = make_config(config_dict)
-    arch = architecture(config.model_type)
     with torch.device("meta"):
         model = build_model(config)
-    model = model.to_empty(device="cpu")
+    state = architecture(config.model_type).sanitize(state, config)
+    check_state(model, state, source)
+    for name in list(state):
+        state[name] = state.pop(name).to(dtype).contiguous()
+    model.load_state_dict(state, strict=True, assign=True)
     model.reset_buffers()  # non-persistent buffers (RoPE frequencies) are not in checkpoints
-    load_state(model, arch.sanitize(state, config), source)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def save_checkpoint(model: DiffusionLM, directory: Path, extra_files: Iterable[Path] = ()) -> Path:

@@ -202,8 +202,8 @@ def generate(
         if wanted:
             with torch.inference_mode():
                 logits = model.logits(torch.stack(wanted))  # [N, V]
-            if config.mask_token_id is not None:
-                logits[:, config.mask_token_id] = float("-inf")  # [MASK] is never an answer
+                if config.mask_token_id is not None:
+                    logits[:, config.mask_token_id] = float("-inf")  # [MASK] is never an answer
             tokens, conf = _sample_rows(logits, owners, sampling)
             start = 0
             while start < len(owners):

