@@ -105,7 +105,9 @@ def test_bad_requests_are_clear_errors(model):
     with pytest.raises(CloverError, match="empty prompt"):
         run(model, [[]], make_policy("ar"))
     with pytest.raises(CloverError, match="context"):
-        run(model, [[5] * 250], make_policy("ar"), max_new=10)
+        run(model, [[5] * 256], make_policy("ar"), max_new=10)
+    (capped,), _ = run(model, [[5] * 250], make_policy("ar"), max_new=10)
+    assert len(capped.tokens) <= 6 and capped.finish_reason in ("length", "stop")
     with pytest.raises(CloverError, match="unknown decoder"):
         make_policy("beam")
     with pytest.raises(CloverError, match="temperature"):

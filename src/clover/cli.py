@@ -25,9 +25,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="weights/activations precision (auto: bfloat16 where the CPU has bf16 "
-        "instructions, else float32)",
+        choices=["auto", "float32", "bfloat16", "int4"],
+        help="precision (auto: int4 for 4-bit GGUF sources, else bfloat16 where the CPU has "
+        "bf16 instructions, else float32)",
     )
 
 
@@ -58,21 +58,10 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
     )
 
 
-def resolve_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return "float32"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-
-
 def _load(a: argparse.Namespace, quiet: bool = False) -> object:
     from clover.engine import LLM
 
-    return LLM(a.model, dtype=resolve_dtype(a.dtype), progress=not quiet)
+    return LLM(a.model, dtype=a.dtype, progress=not quiet)
 
 
 def _run_stream(llm: object, prompt: list[int], settings: GenerationSettings, echo: bool):
@@ -106,7 +95,7 @@ def _stats(c: Completion, llm: object) -> dict:
         "load_seconds": round(llm.load_seconds, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "model": llm.name,
-        "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": llm.dtype,
     }
 
 

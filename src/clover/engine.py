@@ -23,11 +23,11 @@ from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
 from clover.registry import ResolvedModel, cache_dir, resolve
 from clover.tokenizer import Tokenizer
-from clover.weights import model_from_state, read_gguf, read_hf_dir, save_checkpoint
+from clover.weights import model_from_state, read_config, read_gguf, read_hf_dir, save_checkpoint
 
 DEFAULT_MODEL = "smollm2-135m"
 CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -115,19 +115,45 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
     return target
 
 
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(config: dict) -> str:
+    """int4 for 4-bit GGUF sources (their own levels), else bfloat16 where the CPU has bf16
+    instructions, else float32."""
+    if not cpu_has_bf16():
+        return "float32"
+    if str(config.get("gguf_file_type", "")).startswith(("MOSTLY_Q4_0", "MOSTLY_Q4_1")):
+        return "int4"
+    return "bfloat16"
+
+
 class LLM:
     """A loaded model + tokenizer. `LLM("smollm2-135m")`, a GGUF path or an HF directory."""
 
     def __init__(
-        self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", progress: bool = True
+        self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", progress: bool = True
     ) -> None:
-        if dtype not in DTYPES:
-            raise CloverError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        if dtype not in DTYPES and dtype != "auto":
+            raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
         t0 = time.perf_counter()
         self.resolved = resolve(model, progress=progress)
         directory = prepare_checkpoint(self.resolved, progress)
+        if dtype == "auto":
+            dtype = auto_dtype(read_config(directory))
         config, state = read_hf_dir(directory, DTYPES[dtype])
         self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
+        if dtype == "int4":
+            from clover.quant import quantize_model
+
+            quantize_model(self.model)
+        self.dtype = dtype
         self.tokenizer = Tokenizer.from_dir(directory)
         self.name = self.resolved.name
         self.directory = directory

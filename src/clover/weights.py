@@ -141,6 +141,12 @@ def read_gguf(path: Path, progress: bool = False) -> tuple[dict, dict[str, torch
     arch_name = meta.get("general.architecture")
     arch = architecture({"llama": "llama", "qwen2": "qwen2"}.get(arch_name, arch_name))
     config = arch.config_from_gguf(meta)
+    file_type = meta.get("general.file_type")
+    if file_type is not None:
+        try:  # kept in config.json: `auto` precision picks int4 for 4-bit sources
+            config["gguf_file_type"] = gguf.LlamaFileType(int(file_type)).name
+        except ValueError:
+            config["gguf_file_type"] = str(file_type)
     arrays: dict[str, np.ndarray] = {}
     tensors = reader.tensors
     if progress:

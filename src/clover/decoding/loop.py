@@ -136,11 +136,12 @@ def generate(
             raise CloverError(
                 "this model has no mask_token_id, so it cannot decode blocks; use --decoder ar"
             )
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if longest > model.context_length:
+    context = model.context_length
+    longest = max(len(p) for p in prompts)
+    if longest >= context:
         raise CloverError(
-            f"prompt + max_new_tokens = {longest} tokens, over the model's context of "
-            f"{model.context_length}"
+            f"prompt of {longest} tokens does not fit the model's context of {context} "
+            "(prompt + generation)"
         )
     mask_id = config.mask_token_id if config.mask_token_id is not None else 0
     eos = set(eos_token_ids)
@@ -149,7 +150,8 @@ def generate(
     for i, p in enumerate(prompts):
         gen = torch.Generator(device=device)
         gen.manual_seed((sampling.seed if sampling.seed is not None else 0) * 1_000_003 + i)
-        rows.append(_Row(i, p, max_new_tokens, gen))
+        # the answer may use what the context leaves; it then ends with reason "length"
+        rows.append(_Row(i, p, min(max_new_tokens, context - len(p)), gen))
     if results is not None:
         results[:] = [r.result for r in rows]
     for r in rows:

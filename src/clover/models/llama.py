@@ -216,6 +216,9 @@ class LlamaModel(DiffusionLM):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = getattr(self, "quantized_head", None)  # set by clover.quant.quantize_model
+        if head is not None:
+            return head(hidden).float()
         w = (
             self.model.embed_tokens.weight
             if self.config.tie_word_embeddings

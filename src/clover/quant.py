@@ -1,0 +1,114 @@
+"""Weight-only quantized linears for CPU inference (the `int4` precision).
+
+Why: one decoding step at batch 1 reads every weight once, so on a CPU its time is memory
+traffic. 4-bit weights read a quarter of bfloat16's bytes; PyTorch's CPU int4 matmul kernel
+computes with bfloat16 activations. Group-wise asymmetric 4-bit with groups of 32 along the
+input dimension is the layout of GGUF Q4_1, so a Q4_1 checkpoint re-quantized this way keeps
+its own levels (only the per-group scale and offset are rounded to bfloat16). The LM head (tied
+to the embedding, Q8_0 in the default GGUF) gets 8-bit per-channel weights instead.
+
+The tests compare each kernel with a plain matmul on the dequantized weights (the reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from clover.errors import CloverError
+
+GROUP = 32
+
+
+def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, ...]:
+    """w [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/g], low [N, K/g]); w ~ q*scale + low."""
+    N, K = w.shape
+    wg = w.float().reshape(N, K // group, group)
+    low = wg.amin(-1)
+    scale = ((wg.amax(-1) - low) / 15).clamp(min=1e-10)
+    q = ((wg - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return q.reshape(N, K), scale, low
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in 4-bit groups; x is computed in bfloat16."""
+
+    def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
+        super().__init__()
+        N, K = linear.weight.shape
+        q, scale, low = quantize_int4(linear.weight.detach(), group)
+        self.in_features, self.out_features, self.group = K, N, group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale
+        zero = low + 8 * scale
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16)
+        self.scales_and_zeros = self.scales_and_zeros.contiguous()  # [K/g, N, 2]
+        b = linear.bias
+        self.bias = None if b is None else b.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] (bfloat16)."""
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(torch.bfloat16),
+            self.packed,
+            self.group,
+            self.scales_and_zeros,
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T with W in int8 per output channel (scale per row); x in bfloat16."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        rows = weight.shape[0]
+        self.weight = torch.empty(weight.shape, dtype=torch.int8)
+        self.scale = torch.empty(rows, dtype=torch.bfloat16)
+        for a in range(0, rows, 4096):  # in slices: a float32 copy of a large head is big
+            w = weight[a : a + 4096].detach().float()
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-10)
+            self.weight[a : a + 4096] = (w / scale[:, None]).round().clamp(-127, 127)
+            self.scale[a : a + 4096] = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scale
+        )
+        return y.reshape(*shape[:-1], -1)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.scale.float()[:, None]
+
+
+def quantize_model(model: nn.Module, group: int = GROUP) -> nn.Module:
+    """In place: decoder-layer linears -> Int4Linear, the LM head -> Int8Linear, rest bf16."""
+    if next(model.parameters()).device.type != "cpu":
+        raise CloverError("int4 precision uses CPU kernels; use bfloat16 on other devices")
+    model.to(torch.bfloat16)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                # the CPU kernel packs whole groups along K and 16-row tiles along N
+                if child.in_features % group == 0 and child.out_features % 16 == 0:
+                    setattr(module, name, Int4Linear(child, group))
+    head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
+    model.quantized_head = Int8Linear(head)
+    if hasattr(model, "lm_head"):
+        del model.lm_head
+    release_freed_memory()
+    return model
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them after many large frees)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

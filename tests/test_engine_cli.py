@@ -1,0 +1,123 @@
+import json
+
+import pytest
+
+from clover import LLM
+from clover.cli import main
+from clover.engine import GenerationSettings, _split_stop
+from clover.errors import CloverError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint), progress=False)
+
+
+def test_generate_and_chat(llm):
+    (c,) = llm.generate("hello world", max_tokens=12, decoder="ar")
+    assert c.output_tokens <= 12 and c.nfe >= 1
+    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    chat = llm.chat([{"role": "user", "content": "hello"}], max_tokens=8, decoder="low_confidence")
+    assert chat.output_tokens <= 8
+    two = llm.generate(["hello", "the quick brown fox"], max_tokens=6, decoder="ar")
+    assert [t.token_ids for t in two] == [
+        llm.generate(p, max_tokens=6, decoder="ar")[0].token_ids
+        for p in ["hello", "the quick brown fox"]
+    ]
+
+
+def test_streamed_text_equals_final_text(llm):
+    out = []
+    prompt = llm.encode("the lazy dog")
+    settings = GenerationSettings(decoder="low_confidence", block_size=4, threshold=0.5)
+    deltas = [d.text for d in llm.stream([prompt], settings, out)]
+    assert "".join(deltas) == out[0].text
+
+
+def test_stop_strings(llm):
+    (full,) = llm.generate("hello", max_tokens=16, decoder="ar")
+    if len(full.text) < 4:
+        pytest.skip("random model answered too little to cut")
+    stop = full.text[2:4]
+    (cut,) = llm.generate("hello", max_tokens=16, decoder="ar", stop=[stop])
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert cut.finish_reason == "stop"
+
+
+def test_split_stop_holds_back_possible_prefixes():
+    assert _split_stop("abc<", ("<stop>",), final=False) == ("abc", "<", False)
+    assert _split_stop("abc<st", ("<stop>",), final=True) == ("abc<st", "", False)
+    assert _split_stop("ab<stop>cd", ("<stop>",), final=False) == ("ab", "", True)
+
+
+def test_bad_input(llm):
+    with pytest.raises(CloverError, match="empty prompt"):
+        llm.generate("")
+    with pytest.raises(CloverError, match="context"):
+        llm.generate("hello " * 300, max_tokens=100)
+    (capped,) = llm.generate("hello " * 100, max_tokens=1000, decoder="ar")
+    assert capped.prompt_tokens + capped.output_tokens <= 256
+    with pytest.raises(CloverError, match="unknown generation setting"):
+        llm.generate("hello", beams=3)
+    with pytest.raises(CloverError, match="dtype"):
+        LLM("whatever", dtype="int3")
+
+
+def test_cli_generate_json(tiny_checkpoint, capsys):
+    rc = main(
+        [
+            "generate",
+            "-m",
+            str(tiny_checkpoint),
+            "-p",
+            "hello",
+            "--json",
+            "--max-tokens",
+            "5",
+            "--dtype",
+            "float32",
+            "--decoder",
+            "low_confidence",
+            "--block-size",
+            "4",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("text", "output_tokens", "nfe", "tpf", "tokens_per_s", "peak_rss_mb"):
+        assert key in out
+    assert out["decoder"] == "low_confidence" and out["block_size"] == 4
+
+
+def test_cli_info_json(tiny_checkpoint, capsys):
+    assert main(["info", str(tiny_checkpoint), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "llama"
+    assert info["total_params"] == info["active_params"] > 0
+    assert info["bf16_bytes"] == 2 * info["total_params"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["generate", "-m", str(tmp_path / "none"), "-p", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert main(["info", "no-such-model"]) == 1
+    assert "smollm2-135m" in capsys.readouterr().err
+
+
+def test_cli_chat_clear_and_interrupt(tiny_checkpoint, capsys, monkeypatch):
+    from clover import cli
+
+    lines = iter(["hello", "/clear", KeyboardInterrupt, "again", "/exit"])
+
+    def read(prompt):
+        item = next(lines)
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return item
+
+    args = cli.build_parser().parse_args(
+        ["chat", "-m", str(tiny_checkpoint), "--max-tokens", "4", "--dtype", "float32"]
+    )
+    assert cli.cmd_chat(args, read=read) == 0
+    assert "(history cleared)" in capsys.readouterr().out

@@ -1,0 +1,61 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover.quant import Int4Linear, Int8Linear, quantize_int4, quantize_model
+from tests.conftest import tiny_model
+
+
+def reference_int4(w: torch.Tensor) -> torch.Tensor:
+    """Plain dequantization of what Int4Linear stores: (q - 8) * scale + zero, bf16 scales."""
+    q, scale, low = quantize_int4(w)
+    zero = (low + 8 * scale).bfloat16().float()
+    scale = scale.bfloat16().float()
+    N, K = w.shape
+    qg = q.reshape(N, K // 32, 32).float()
+    return ((qg - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+
+
+def test_int4_linear_matches_reference():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 48, bias=True)
+    q = Int4Linear(lin)
+    x = torch.randn(5, 3, 96)
+    ref = F.linear(x.bfloat16().float(), reference_int4(lin.weight.detach()), lin.bias.detach())
+    out = q(x).float()
+    assert out.shape == (5, 3, 48)
+    torch.testing.assert_close(out, ref, atol=0.05, rtol=0.02)
+
+
+def test_int4_keeps_q4_1_levels():
+    # weights already on a Q4_1 grid (per 32-group: q * d + m, both q = 0 and 15 present)
+    torch.manual_seed(1)
+    N, K = 8, 64
+    q = torch.randint(0, 16, (N, K // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(N, K // 32, 1) * 0.1 + 0.01
+    m = torch.randn(N, K // 32, 1) * 0.1
+    w = (q * d + m).reshape(N, K)
+    got, _, _ = quantize_int4(w)
+    assert torch.equal(got.reshape(N, K // 32, 32), q.to(torch.int32))
+
+
+def test_int8_head_matches_reference():
+    torch.manual_seed(2)
+    w = torch.randn(5000, 64)
+    head = Int8Linear(w)
+    x = torch.randn(3, 64)
+    ref = x.bfloat16().float() @ head.dequantized_weight().t()
+    torch.testing.assert_close(head(x).float(), ref, atol=0.05, rtol=0.02)
+    assert (head.dequantized_weight() - w).abs().max() <= w.abs().max() / 127
+
+
+def test_quantized_model_tracks_the_float_model():
+    model = tiny_model(hidden_size=64, intermediate_size=128)
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        ref = model.logits(model(ids)).softmax(-1)
+        quantize_model(model)
+        assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)
+        got = model.logits(model(ids)).softmax(-1)
+    assert (got - ref).abs().max() < 0.1
