@@ -32,7 +32,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--decoder", choices=["ar", "low_confidence"], help="default: the model's")
+    p.add_argument(
+        "--decoder", choices=["ar", "low_confidence", "self_spec"], help="default: the model's"
+    )
     p.add_argument("--block-size", type=int, help="positions per block (default: the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="commit confidence (0.95)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
