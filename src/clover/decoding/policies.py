@@ -20,6 +20,7 @@ class Policy:
 
     block_size: int = 1
     name: str = "ar"
+    speculative = False  # class attribute: SpecRow instead of BlockRow in the loop
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -50,7 +51,22 @@ class LowConfidence(Policy):
         return chosen
 
 
-DECODERS = ("ar", "low_confidence")
+@dataclass(frozen=True)
+class SelfSpec(Policy):
+    """Lossless self-speculation: draft block_size - 1 tokens per pass, verify them causally
+    in the next pass (fused with the next draft), keep exactly what AR decoding would."""
+
+    block_size: int = 32
+    name: str = "self_spec"
+    speculative = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 2:
+            raise CloverError("self_spec needs block_size >= 2 (one AR token + drafts)")
+
+
+DECODERS = ("ar", "low_confidence", "self_spec")
 
 
 def make_policy(name: str, block_size: int = 32, threshold: float = 0.95) -> Policy:
@@ -58,4 +74,6 @@ def make_policy(name: str, block_size: int = 32, threshold: float = 0.95) -> Pol
         return Policy()
     if name == "low_confidence":
         return LowConfidence(block_size=block_size, threshold=threshold)
+    if name == "self_spec":
+        return SelfSpec(block_size=block_size)
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")

@@ -33,6 +33,10 @@ class LayerCache:
         """Keep only these rows (sequences leaving a batch)."""
         raise NotImplementedError
 
+    def rollback(self, n: torch.Tensor) -> None:
+        """Forget the last n[b] committed tokens of each row (rejected speculation). Caches
+        indexed by length (KV) need nothing: the slots past the length are scratch."""
+
 
 class KVCache(LayerCache):
     """K/V of one attention layer: k, v [B, H_kv, capacity, D]."""
@@ -106,6 +110,12 @@ class ModelCache:
 
     def advance(self, n_commit: torch.Tensor) -> None:
         self.lengths = self.lengths + n_commit
+
+    def rollback(self, n: torch.Tensor) -> None:
+        """n [B]: drop the last n[b] committed tokens of row b."""
+        for layer in self.layers:
+            layer.rollback(n)
+        self.lengths = self.lengths - n
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
         rows = torch.as_tensor(rows, dtype=torch.long)

@@ -1,0 +1,206 @@
+"""Per-sequence decoding state: what a row feeds the next forward and what it does with it.
+
+The loop (`loop.py`) batches rows, runs the forward, computes the logits every row asked for
+in one call, and hands each row its slice. Two kinds of row cover every decoder:
+
+- `BlockRow` (ar, low_confidence): a block of masked positions, denoised step by step; the
+  policy picks which confident positions to commit. A finished block is committed causally in
+  the next pass, fused with the first denoising step of the following block.
+- `SpecRow` (self_spec): lossless self-speculation. Each pass feeds [certain tokens | draft
+  (causal, to verify) | B masks (bidirectional, the next draft)]. The causal outputs give the
+  AR token at every draft position: the longest matching draft prefix is accepted plus the AR
+  token after it, the rejected tail is rolled back from the cache, and when the whole draft was
+  accepted the masked block's outputs become the next draft. Every pass yields >= 1 token and
+  the output is exactly AR decoding (greedy: identical tokens; sampling: the same
+  distribution, since a draft token is accepted only when it equals the AR sample).
+
+Token shift is assumed where noted: the output at position i predicts position i + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from clover.decoding.policies import Policy
+from clover.decoding.sampling import SamplingParams, sample
+
+MASKED = -1
+
+
+@dataclass
+class RowResult:
+    tokens: list[int] = field(default_factory=list)  # the answer, without the EOS
+    steps: list[int] = field(default_factory=list)  # step that committed each token
+    nfe: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tpf(self) -> float:
+        return len(self.tokens) / self.nfe if self.nfe else 0.0
+
+
+def first_eos(tokens: list[int], eos: set[int]) -> int | None:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return i
+    return None
+
+
+class Row:
+    """What every row has: the prompt/answer bookkeeping and the result it fills."""
+
+    def __init__(
+        self, index: int, prompt: list[int], max_new: int, policy: Policy, gen: torch.Generator
+    ) -> None:
+        self.index = index
+        self.pending = list(prompt)  # certain tokens to commit causally at the next pass
+        self.answer: list[int] = []  # final answer tokens (may end with EOS)
+        self.answer_steps: list[int] = []
+        self.emitted = 0  # final tokens already reported
+        self.max_new = max_new
+        self.policy = policy
+        self.gen = gen
+        self.steps = 0
+        self.prefix_hidden: torch.Tensor | None = None  # output at the last committed token
+        self.result = RowResult()
+
+    def plan(self, mask_id: int) -> tuple[list[int], int]:
+        """-> (input tokens for the next pass, how many of them are committed causally)."""
+        raise NotImplementedError
+
+    def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
+        """hidden [T, D] of this row's last pass -> the hidden vectors to project to logits."""
+        raise NotImplementedError
+
+    def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
+        """logits [N, V] for `wanted` -> (commits [(answer index, token)], tokens to roll back)."""
+        raise NotImplementedError
+
+    def final_tokens(self) -> list[int]:
+        return list(self.answer)
+
+    def finish_reason(self, eos: set[int]) -> str | None:
+        if first_eos(self.answer, eos) is not None:
+            return "stop"
+        if len(self.answer) >= self.max_new:
+            return "length"
+        return None
+
+
+class BlockRow(Row):
+    """ar and low_confidence: a masked block denoised step by step."""
+
+    def __init__(self, *args: object, shifted: bool = True) -> None:
+        super().__init__(*args)
+        self.shifted = shifted
+        self.block: list[int] = []
+        self.block_steps: list[int] = []
+        self.open_block()
+
+    def open_block(self) -> None:
+        n = min(self.policy.block_size, self.max_new - len(self.answer))
+        self.block, self.block_steps = [MASKED] * max(n, 0), [0] * max(n, 0)
+
+    def masked(self) -> list[int]:
+        return [i for i, t in enumerate(self.block) if t == MASKED]
+
+    def plan(self, mask_id: int) -> tuple[list[int], int]:
+        masked = self.masked()
+        # with token shift, position 0 is predicted from the prefix: no block input needed
+        need_block = any(p > 0 for p in masked) if self.shifted else bool(masked)
+        blk = [mask_id if t == MASKED else t for t in self.block] if need_block else []
+        return self.pending + blk, len(self.pending)
+
+    def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
+        if n_commit and self.shifted:
+            self.prefix_hidden = hidden[n_commit - 1]
+        self.pending = []
+        out = []
+        for p in self.masked():
+            if self.shifted:
+                out.append(self.prefix_hidden if p == 0 else hidden[n_commit + p - 1])
+            else:
+                out.append(hidden[n_commit + p])
+        return out
+
+    def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
+        if not len(logits):
+            return [], 0
+        self.steps += 1
+        tokens, conf = sample(logits, sampling, self.gen)
+        chosen = self.policy.select(conf)
+        masked = self.masked()
+        commits = []
+        for j in torch.nonzero(chosen).flatten().tolist():
+            p, tok = masked[j], int(tokens[j])
+            self.block[p], self.block_steps[p] = tok, self.steps
+            commits.append((len(self.answer) + p, tok))
+        cut = first_eos(self.block, eos)
+        if cut is not None:  # nothing after an EOS matters: stop denoising it
+            del self.block[cut + 1 :], self.block_steps[cut + 1 :]
+        if MASKED not in self.block:  # block complete: it becomes the prefix
+            self.answer += self.block
+            self.answer_steps += self.block_steps
+            self.pending = list(self.block)
+            self.block, self.block_steps = [], []
+            if cut is None:
+                self.open_block()
+        return commits, 0
+
+    def final_tokens(self) -> list[int]:
+        run = 0
+        while run < len(self.block) and self.block[run] != MASKED:
+            run += 1
+        return self.answer + self.block[:run]
+
+    def finish_reason(self, eos: set[int]) -> str | None:
+        # an empty block means the answer hit an EOS or the token budget (see open_block)
+        return None if self.block else (super().finish_reason(eos) or "length")
+
+
+class SpecRow(Row):
+    """self_spec: draft a block, verify it causally next pass, keep what AR would write."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.draft: list[int] = []
+
+    def plan(self, mask_id: int) -> tuple[list[int], int]:
+        masks = [mask_id] * self.policy.block_size
+        return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
+
+    def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
+        # pending is never empty (the prompt, then the last certain token), so the output at
+        # its last token predicts draft[0]; the outputs at draft tokens predict the rest
+        verify = hidden[len(self.pending) - 1 : n_commit]
+        self._n_verify = len(verify)
+        draft = hidden[n_commit : n_commit + self.policy.block_size - 1]  # next draft
+        return list(verify) + list(draft)
+
+    def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
+        self.steps += 1
+        nv = self._n_verify
+        verify, drafted = logits[:nv], logits[nv:]
+        accepted, token = 0, None
+        for i in range(nv):  # sequential: a sample is drawn only where AR would draw one
+            tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
+            if i < len(self.draft) and tok == self.draft[i]:
+                accepted += 1
+                continue
+            token = tok
+            break
+        rollback = len(self.draft) - accepted
+        new = self.draft[:accepted] + [token]
+        start = len(self.answer)
+        self.answer += new
+        self.answer_steps += [self.steps] * len(new)
+        self.pending = [token]
+        room = self.max_new - len(self.answer) - 1  # the next pass always adds one AR token
+        if rollback == 0 and room > 0 and first_eos(new, eos) is None:
+            self.draft = drafted.argmax(-1).tolist()[:room]
+        else:
+            self.draft = []
+        commits = [(start + i, t) for i, t in enumerate(new)]
+        return commits, rollback

