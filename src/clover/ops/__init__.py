@@ -1,0 +1,1 @@
+"""Sequence-mixing operators in pure PyTorch (Gated DeltaNet and its short convolution)."""
