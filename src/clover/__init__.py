@@ -4,6 +4,11 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "GenerationSettings", "CloverError", "__version__"]
 
+# transformers' Auto classes learn about exported Clover checkpoints when transformers loads them
+from clover.hf import install as _install_hf  # noqa: E402
+
+_install_hf()
+
 
 def __getattr__(name: str) -> object:
     # lazy: `clover --version` and the tokenizer tools should not pay for importing torch

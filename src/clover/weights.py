@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from clover.errors import CloverError
+from clover.hf import native_config
 from clover.models import DiffusionLM, architecture, build_model, make_config
 
 CONFIG = "config.json"
@@ -33,9 +34,10 @@ def read_config(directory: Path) -> dict:
     if not path.is_file():
         raise CloverError(f"no {CONFIG} in {directory}")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CloverError(f"{path} is not valid JSON: {e}") from None
+    return native_config(config)  # `clover export` output names its own model_type
 
 
 def safetensors_files(directory: Path) -> list[Path]:
