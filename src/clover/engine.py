@@ -27,7 +27,13 @@ from clover.weights import model_from_state, read_config, read_gguf, read_hf_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.bfloat16,  # weight-only int8, bf16 activations (clover.quant)
+    "int4": torch.bfloat16,  # weight-only int4 groups of 32, bf16 activations
+}
+PRESETS = ("clover-tiny", "clover-35b-a3b")  # architecture shapes with random weights
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,25 @@ def auto_dtype(config: dict) -> str:
     return "bfloat16"
 
 
+def _preset_model(name: str, progress: bool) -> tuple:
+    """A Clover-architecture preset with random weights (seed 0) and the default model's
+    tokenizer: it exercises the whole mechanism; its output is meaningless."""
+    from clover.models.clover import CloverModel, preset_config
+
+    config = preset_config(name)
+    if config.num_params > 2e9:
+        raise CloverError(
+            f"{name} is a shape preset of {config.num_params / 1e9:.1f}B parameters with no "
+            "weights; `clover info` describes it, generation needs a checkpoint"
+        )
+    base = prepare_checkpoint(resolve(DEFAULT_MODEL, progress=progress), progress)
+    tokenizer = Tokenizer.from_dir(base)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CloverError(f"{name}: vocabulary smaller than the tokenizer's")
+    torch.manual_seed(0)
+    return CloverModel(config).eval(), tokenizer
+
+
 class LLM:
     """A loaded model + tokenizer. `LLM("smollm2-135m")`, a GGUF path or an HF directory."""
 
@@ -143,19 +168,26 @@ class LLM:
         if dtype not in DTYPES and dtype != "auto":
             raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
         t0 = time.perf_counter()
-        self.resolved = resolve(model, progress=progress)
-        directory = prepare_checkpoint(self.resolved, progress)
-        if dtype == "auto":
-            dtype = auto_dtype(read_config(directory))
-        config, state = read_hf_dir(directory, DTYPES[dtype])
-        self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
-        if dtype == "int4":
+        if model in PRESETS:
+            self.resolved, directory = None, None
+            self.model, self.tokenizer = _preset_model(model, progress)
+            dtype = "float32" if dtype == "auto" else dtype
+            self.model.to(DTYPES[dtype])
+            self.name = model
+        else:
+            self.resolved = resolve(model, progress=progress)
+            directory = prepare_checkpoint(self.resolved, progress)
+            if dtype == "auto":
+                dtype = auto_dtype(read_config(directory))
+            config, state = read_hf_dir(directory, DTYPES[dtype])
+            self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
+            self.tokenizer = Tokenizer.from_dir(directory)
+            self.name = self.resolved.name
+        if dtype in ("int4", "int8"):
             from clover.quant import quantize_model
 
-            quantize_model(self.model)
+            quantize_model(self.model, dtype)
         self.dtype = dtype
-        self.tokenizer = Tokenizer.from_dir(directory)
-        self.name = self.resolved.name
         self.directory = directory
         self.config = self.model.config
         self.load_seconds = time.perf_counter() - t0

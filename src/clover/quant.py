@@ -63,10 +63,11 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T with W in int8 per output channel (scale per row); x in bfloat16."""
+    """y = x W^T (+ b) with W in int8 per output channel (scale per row); x in bfloat16."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
         rows = weight.shape[0]
         self.weight = torch.empty(weight.shape, dtype=torch.int8)
         self.scale = torch.empty(rows, dtype=torch.bfloat16)
@@ -78,32 +79,89 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scale
-        )
+        y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*shape[:-1], -1)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float() * self.scale.float()[:, None]
 
 
-def quantize_model(model: nn.Module, group: int = GROUP) -> nn.Module:
-    """In place: decoder-layer linears -> Int4Linear, the LM head -> Int8Linear, rest bf16."""
+def quantize_model(model: nn.Module, mode: str = "int4", group: int = GROUP) -> nn.Module:
+    """In place, weight-only. int4: decoder linears -> Int4Linear (where the kernel's tiling
+    fits), LM head -> Int8Linear. int8: every linear and every expert -> 8-bit per output
+    channel. Everything else (embeddings, norms) becomes bfloat16."""
+    if mode not in ("int4", "int8"):
+        raise CloverError(f"unknown quantization {mode!r}: int4 or int8")
     if next(model.parameters()).device.type != "cpu":
-        raise CloverError("int4 precision uses CPU kernels; use bfloat16 on other devices")
+        raise CloverError("weight-only quantization uses CPU kernels; use bfloat16 elsewhere")
     model.to(torch.bfloat16)
     for module in list(model.modules()):
+        if mode == "int8" and hasattr(module, "quantize_experts_int8"):
+            module.quantize_experts_int8()
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name != "lm_head":
+            if not isinstance(child, nn.Linear) or name == "lm_head":
+                continue
+            if mode == "int8":
+                setattr(module, name, Int8Linear(child.weight, child.bias))
+            elif child.in_features % group == 0 and child.out_features % 16 == 0:
                 # the CPU kernel packs whole groups along K and 16-row tiles along N
-                if child.in_features % group == 0 and child.out_features % 16 == 0:
-                    setattr(module, name, Int4Linear(child, group))
+                setattr(module, name, Int4Linear(child, group))
     head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
     model.quantized_head = Int8Linear(head)
     if hasattr(model, "lm_head"):
         del model.lm_head
     release_freed_memory()
     return model
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (int8 [..., N, K], bf16 scale [..., N]), symmetric per row."""
+    scale = (w.float().abs().amax(-1) / 127).clamp(min=1e-10)
+    q = (w.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] * scale [N])^T with the CPU int8 kernel (bf16 activations)."""
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scale)
+
+
+def model_bytes(config: object, dtype: str) -> int:
+    """Bytes of the weights at a precision, from shapes alone (the model is built on meta)."""
+    from clover.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(config)
+    per = {"float32": 4, "bfloat16": 2}
+    total = 0
+    quantizable = set()
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, nn.Linear):
+                quantizable.add(id(child.weight))
+        for name in ("gate_up", "down"):
+            if isinstance(getattr(module, name, None), nn.Parameter) and hasattr(module, "router"):
+                quantizable.add(id(getattr(module, name)))
+    head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
+    for p in model.parameters():
+        n = p.numel()
+        if dtype in per:
+            total += per[dtype] * n
+        elif id(p) == id(head) or (dtype == "int8" and id(p) in quantizable):
+            total += n + 2 * (n // p.shape[-1])  # int8 + a bf16 scale per row
+            if id(p) == id(head) and not hasattr(model, "lm_head"):
+                total += 2 * n  # a tied table is also kept in bf16 for the lookup
+        elif dtype == "int4" and id(p) in quantizable and p.dim() == 2:
+            n_out, n_in = p.shape
+            if n_in % GROUP == 0 and n_out % 16 == 0:
+                total += n // 2 + 4 * (n // GROUP)  # packed nibbles + bf16 scale and zero
+            else:
+                total += 2 * n
+        else:
+            total += 2 * n
+    return total
 
 
 def release_freed_memory() -> None:

@@ -104,6 +104,8 @@ def generate(
     if results is not None:
         results[:] = [r.result for r in rows]
     cache = model.make_cache(len(rows))
+    if policy.speculative:
+        cache.enable_rollback()
     active = list(rows)  # cache row k belongs to active[k]
     step = 0
     while active:

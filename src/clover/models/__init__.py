@@ -6,10 +6,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from clover.errors import CloverError
-from clover.models import llama
+from clover.models import clover, llama
 from clover.models.base import DiffusionLM
 
 ARCHITECTURES: dict[str, ModuleType] = {t: llama for t in llama.MODEL_TYPES}
+ARCHITECTURES.update({t: clover for t in clover.MODEL_TYPES})
 
 
 def architecture(model_type: str | None) -> ModuleType:

@@ -111,6 +111,13 @@ class ModelCache:
     def advance(self, n_commit: torch.Tensor) -> None:
         self.lengths = self.lengths + n_commit
 
+    def enable_rollback(self) -> None:
+        """Ask layers whose state is not indexed by length (recurrent ones) to keep what
+        `rollback` needs; speculative decoding turns this on."""
+        for layer in self.layers:
+            if hasattr(layer, "track"):
+                layer.track = True
+
     def rollback(self, n: torch.Tensor) -> None:
         """n [B]: drop the last n[b] committed tokens of row b."""
         for layer in self.layers:

@@ -28,6 +28,9 @@ class StepLayout:
     lengths: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B, T] long, absolute positions (RoPE)
     mask: torch.Tensor | None  # [B, 1, T, S] bool, True = may attend; None = all visible
+    # training layout only: (prompt_lens [B], clean_len, answer_len, block_size), for layers
+    # (recurrent ones) that need the block structure rather than a mask
+    train: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,4 +88,5 @@ def training_layout(
     noisy_q = torch.where(k_noisy, same_block[None], idx[None, None, :] < block_start[:, :, None])
     mask = torch.where(q_noisy, noisy_q, clean_q.expand(B, T, T))
     zeros = torch.zeros(B, dtype=torch.long, device=device)
-    return StepLayout(zeros, zeros, zeros, positions, mask[:, None])
+    structure = (prompt_lens, clean_len, answer_len, block_size)
+    return StepLayout(zeros, zeros, zeros, positions, mask[:, None], structure)

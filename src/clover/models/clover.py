@@ -1,0 +1,412 @@
+"""The Clover hybrid architecture: Gated DeltaNet + gated full attention, MoE feed-forward,
+block-bidirectional linear layers, at any scale (`PRESETS`: the published 35B-A3B shape and a
+tiny one for tests).
+
+`layer_types` (data, in the config) says per layer whether its mixer is `linear_attention`
+(Gated DeltaNet, `gdn.py`, a conv + recurrent state cache) or `full_attention` (gated GQA with
+QK-norm and partial RoPE, a KV cache). Every layer's feed-forward is the MoE of `moe.py`.
+All norms are zero-centred RMSNorm. The context (prompt + generation) is enforced by the cache.
+
+Training mode runs the same commit/preview steps the decoder runs (per row, block by block),
+so a noisy block sees in training exactly what it sees at inference; it is simple rather than
+fast, and the place to optimise once the trainer uses this architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover.errors import CloverError
+from clover.models.base import DiffusionLM
+from clover.models.cache import KVCache, LayerCache
+from clover.models.gdn import GatedDeltaNet
+from clover.models.layers import ZeroRMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
+from clover.models.layout import StepLayout
+from clover.models.moe import MoE
+
+MODEL_TYPES = ("clover_hybrid",)
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass
+class CloverConfig:
+    # Published for the 35B-A3B model (see shared/REFERENCE.md): layers, hidden, vocab, heads,
+    # head dims, experts, top-k, shared width, context. Inferred from the Qwen3-Next-style
+    # 35B-A3B family where unpublished: rope_theta, rms_norm_eps, conv kernel for all of
+    # q/k/v, untied embeddings, router softmax before top-k with renormalisation.
+    vocab_size: int = 248_320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    layer_types: list[str] | None = None  # default: every 4th layer full attention
+    full_attention_interval: int = 4
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000_000.0  # inferred
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6  # inferred
+    max_position_embeddings: int = 131_072  # prompt + generation
+    tie_word_embeddings: bool = False  # inferred
+    model_type: str = "clover_hybrid"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    mask_token_id: int | None = None
+    shifted: bool = True
+    default_decoder: str = "low_confidence"
+    block_size: int = 32
+    block_coreset: int = 0  # experts per block during previews; 0 = per-token routing
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            k = self.full_attention_interval
+            self.layer_types = [
+                "full_attention" if (i + 1) % k == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise CloverError(
+                f"config: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise CloverError(f"config: unknown layer type(s) {bad}; use {LAYER_TYPES}")
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "max_position_embeddings", "block_size",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise CloverError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CloverError("config: num_attention_heads must be a multiple of KV heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise CloverError("config: linear value heads must be a multiple of key heads")
+        if self.num_experts_per_tok > self.num_experts:
+            raise CloverError("config: num_experts_per_tok exceeds num_experts")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise CloverError(f"config: partial_rotary_factor gives rotary dim {self.rotary_dim}")
+        for name in ("bos_token_id", "pad_token_id", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise CloverError(f"config: {name}={value} outside the vocabulary")
+        if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
+            raise CloverError(f"config: default_decoder {self.default_decoder!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CloverConfig:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        extra = {k: v for k, v in d.items() if k not in known and k != "architectures"}
+        return cls(**kwargs, extra=extra)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {**d.pop("extra"), **d, "architectures": ["CloverHybridForCausalLM"]}
+
+    # --- parameter counts (no weights needed) ------------------------------------------------
+
+    def _counts(self) -> dict[str, int]:
+        D = self.hidden_size
+        nq = self.linear_num_key_heads * self.linear_key_head_dim
+        nv = self.linear_num_value_heads * self.linear_value_head_dim
+        conv_c = 2 * nq + nv
+        hv, K = self.linear_num_value_heads, self.linear_conv_kernel_dim
+        gdn = D * (2 * nq + 2 * nv) + 2 * D * hv + conv_c * K + 2 * hv
+        gdn += self.linear_value_head_dim + nv * D + conv_c * (K - 1) + 2 * hv
+        hq, hkv, dh = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = D * hq * dh * 2 + 2 * D * hkv * dh + hq * dh * D + 2 * dh
+        expert = 3 * D * self.moe_intermediate_size
+        shared = 3 * D * self.shared_expert_intermediate_size + D
+        n_gdn = self.layer_types.count("linear_attention")
+        n_attn = self.num_hidden_layers - n_gdn
+        L = self.num_hidden_layers
+        emb = self.vocab_size * D
+        return {
+            "embedding": emb,
+            "lm_head": 0 if self.tie_word_embeddings else emb,
+            "mixers": n_gdn * gdn + n_attn * attn,
+            "experts": L * self.num_experts * expert,
+            "active_experts": L * self.num_experts_per_tok * expert,
+            "dense_ffn": L * (shared + D * self.num_experts),
+            "norms": L * 2 * D + D,
+        }
+
+    @property
+    def num_params(self) -> int:
+        c = self._counts()
+        return sum(v for k, v in c.items() if k != "active_experts")
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: everything but the experts it is not routed to
+        and the input embedding table (a row lookup, not a matmul; a tied table still counts
+        once, as the LM head)."""
+        c = self._counts()
+        head = c["lm_head"] or c["embedding"]
+        return head + c["mixers"] + c["active_experts"] + c["dense_ffn"] + c["norms"]
+
+
+class GatedAttention(nn.Module):
+    """GQA with per-head QK-norm, partial RoPE and a sigmoid output gate from the q projection."""
+
+    def __init__(self, c: CloverConfig) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, 2 * self.hq * self.dh, bias=False)  # query + gate
+        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.dh, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.dh, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.dh, c.hidden_size, bias=False)
+        self.q_norm = ZeroRMSNorm(self.dh, c.rms_norm_eps)
+        self.k_norm = ZeroRMSNorm(self.dh, c.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple, layout: StepLayout, cache: KVCache | None
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]."""
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.hq, 2 * self.dh).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, Dh]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.dh)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.hkv, self.dh).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attend(q, k, v, layout, cache).transpose(1, 2)  # [B, T, Hq, Dh]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, c: CloverConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = ZeroRMSNorm(c.hidden_size, c.rms_norm_eps)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                c.hidden_size,
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                c.linear_conv_kernel_dim,
+                c.rms_norm_eps,
+            )
+        else:
+            self.self_attn = GatedAttention(c)
+        self.post_attention_layernorm = ZeroRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MoE(
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+            c.norm_topk_prob,
+        )
+
+    def forward(self, x, rope, layout, cache, groups, coreset):  # noqa: ANN001, ANN201
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h = self.linear_attn(h, layout, cache)
+        else:
+            h = self.self_attn(h, rope, layout, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), groups, coreset)
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: CloverConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(c, t) for t in c.layer_types)
+        self.norm = ZeroRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class CloverModel(DiffusionLM):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        c = self.config
+        self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, None)
+
+    def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
+        c = self.config
+        dtype = self.model.embed_tokens.weight.dtype
+        caches: list[LayerCache] = []
+        for layer in self.model.layers:
+            if layer.kind == "linear_attention":
+                caches.append(layer.linear_attn.make_cache(batch_size))
+            else:
+                caches.append(KVCache(batch_size, c.num_key_value_heads, c.head_dim, dtype))
+        return caches
+
+    def backbone(
+        self, input_ids: torch.Tensor, layout: StepLayout, caches: list[LayerCache] | None
+    ) -> torch.Tensor:
+        if layout.train is not None:
+            return self._train_forward(input_ids, layout)
+        x = self.model.embed_tokens(input_ids)
+        rope = rope_cos_sin(layout.positions, self.inv_freq.to(input_ids.device))
+        coreset = self.config.block_coreset
+        groups = None
+        if coreset:  # block tokens of row b form group b; committed tokens route per token
+            t = torch.arange(input_ids.shape[1])[None, :]
+            nc, nb = layout.n_commit[:, None], layout.n_block[:, None]
+            in_block = (t >= nc) & (t < nc + nb)
+            groups = torch.where(in_block, torch.arange(len(nc))[:, None], -1)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, layout, None if caches is None else caches[i], groups, coreset)
+        return self.model.norm(x)
+
+    def _train_forward(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        """[clean | noisy] training layout, computed as the decoder's own commit/preview steps."""
+        prompt_lens, clean_len, answer_len, B = layout.train
+        out = []
+        for b in range(input_ids.shape[0]):
+            p = int(prompt_lens[b])
+            clean, noisy = input_ids[b, :clean_len], input_ids[b, clean_len:]
+            cache = self.make_cache(1)
+            clean_h, noisy_h = [], []
+            start, seg = 0, p
+            for j in range(0, answer_len, B):
+                ids = torch.cat([clean[start:seg], noisy[j : j + B]])[None]
+                h = self(ids, cache, "block", n_commit=seg - start)[0]
+                clean_h.append(h[: seg - start])
+                noisy_h.append(h[seg - start :])
+                start, seg = seg, min(seg + B, clean_len)
+            if start < clean_len:  # the rest of the clean part (last block, padding)
+                clean_h.append(self(clean[start:][None], cache, "causal")[0])
+            out.append(torch.cat(clean_h + noisy_h))
+        return torch.stack(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = getattr(self, "quantized_head", None)
+        if head is not None:
+            return head(hidden).float()
+        w = (
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
+        )
+        return F.linear(hidden, w).float()
+
+
+# --- checkpoint names -------------------------------------------------------------------------
+
+
+def sanitize(weights: dict[str, torch.Tensor], config: CloverConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> ours. Accepts stacked experts (`mlp.gate_up`, `mlp.down`) or
+    per-expert tensors (`mlp.experts.{e}.{gate,up,down}_proj.weight`), and `mlp.gate.weight`
+    (the usual router name) for `mlp.router.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in weights.items():
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            e, proj = rest.split(".")[:2]
+            per_expert.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
+            continue
+        if name.endswith(".mlp.gate.weight"):
+            name = name.replace(".mlp.gate.weight", ".mlp.router.weight")
+        out[name] = t
+    for prefix, experts in per_expert.items():
+        if sorted(experts) != list(range(config.num_experts)):
+            raise CloverError(f"{prefix}: experts {sorted(experts)[:5]}... are not 0..E-1")
+        try:
+            gate_up = [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in experts]
+            down = [experts[e]["down_proj"] for e in sorted(experts)]
+        except KeyError as e:
+            raise CloverError(f"{prefix}: an expert lacks {e.args[0]}") from None
+        out[f"{prefix}.mlp.gate_up"] = torch.stack(gate_up)
+        out[f"{prefix}.mlp.down"] = torch.stack(down)
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our stacked experts -> per-expert names (for tools that expect them)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.gate_up"):
+            prefix = name[: -len(".gate_up")]
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2)
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = up
+        elif name.endswith(".mlp.down"):
+            prefix = name[: -len(".down")]
+            for e, w in enumerate(t):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
+
+
+PRESETS: dict[str, dict] = {
+    "clover-35b-a3b": {},  # the dataclass defaults are the published shape
+    "clover-tiny": dict(
+        vocab_size=49_152,  # the default model's tokenizer, so `clover generate` can run it
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        mask_token_id=0,
+        block_size=8,
+    ),
+}
+
+
+def preset_config(name: str, **overrides: object) -> CloverConfig:
+    if name not in PRESETS:
+        raise CloverError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return CloverConfig(**{**PRESETS[name], **overrides})
+
+
+Config = CloverConfig
+Model = CloverModel

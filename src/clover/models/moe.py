@@ -1,0 +1,141 @@
+"""Mixture-of-experts feed-forward: softmax router, top-k (renormalised), one gated shared expert.
+
+Experts are stored stacked (`gate_up` [E, 2I, D], `down` [E, D, I]) so a checkpoint with
+per-expert tensors or stacked ones maps onto the same module (see `clover.sanitize`). The fast
+path runs only the experts that received tokens; `forward_dense` runs every expert on every
+token and weights them by the routing, the reference the tests compare against.
+
+Block expert coreset (optional, `coreset` > 0): during a block preview all block positions of a
+row route inside one subset of `coreset` experts chosen for the block (the highest summed
+router probability over its positions), so one denoising step touches `coreset` experts
+instead of up to min(E, k * B). Commit passes always route per token, so the cached prefix is
+exactly what per-token routing gives.
+
+Expert parallelism: with `ep_group` set (torch.distributed), each rank holds the experts
+`rank::world` and computes their contribution for every token; an all-reduce sums them. The
+shared expert and the router are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MoE(nn.Module):
+    def __init__(
+        self, hidden: int, experts: int, top_k: int, width: int, shared_width: int, norm_topk: bool
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.width, self.norm_topk = experts, top_k, width, norm_topk
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * width, hidden) * hidden**-0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
+        self.shared_gate_proj = nn.Linear(hidden, shared_width, bias=False)
+        self.shared_up_proj = nn.Linear(hidden, shared_width, bias=False)
+        self.shared_down_proj = nn.Linear(shared_width, hidden, bias=False)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.ep_group = None  # torch.distributed group for expert parallelism
+        self.local_index: dict[int, int] | None = None  # global -> local expert (EP shard)
+        self.int8: tuple | None = None  # (gate_up q, scale, down q, scale) once quantized
+
+    def route(
+        self, x: torch.Tensor, block: torch.Tensor | None = None, coreset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k], expert ids [N, k]).
+
+        block [N] (optional): group id per token for the coreset (-1 = per-token routing).
+        """
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # [N, E]
+        if coreset and block is not None and bool((block >= 0).any()):
+            allowed = torch.ones_like(probs, dtype=torch.bool)
+            for gid in block.unique().tolist():
+                if gid < 0:
+                    continue
+                rows = block == gid
+                keep = probs[rows].sum(0).topk(min(coreset, self.num_experts)).indices
+                mask = torch.zeros(self.num_experts, dtype=torch.bool)
+                mask[keep] = True
+                allowed[rows] = mask
+            probs = probs.masked_fill(~allowed, 0.0)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-20)
+        return weights, ids
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        i = self.local_index[e] if self.local_index is not None else e
+        if self.int8 is not None:  # weight-only int8 experts (clover.quant)
+            from clover.quant import int8_matmul
+
+            gu_q, gu_s, d_q, d_s = self.int8
+            gate, up = int8_matmul(x, gu_q[i], gu_s[i]).chunk(2, dim=-1)
+            return int8_matmul(F.silu(gate) * up, d_q[i], d_s[i])
+        gate, up = F.linear(x, self.gate_up[i]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[i])
+
+    def quantize_experts_int8(self) -> None:
+        from clover.quant import int8_rows
+
+        gu_q, gu_s = int8_rows(self.gate_up.detach())
+        d_q, d_s = int8_rows(self.down.detach())
+        self.int8 = (gu_q, gu_s, d_q, d_s)
+        del self.gate_up, self.down
+
+    def shard(self, rank: int, world: int, group: object = None) -> None:
+        """Expert parallelism: keep experts rank::world; outputs are summed across `group`."""
+        local = list(range(rank, self.num_experts, world))
+        self.gate_up = nn.Parameter(self.gate_up.detach()[local].clone())
+        self.down = nn.Parameter(self.down.detach()[local].clone())
+        self.local_index = {e: i for i, e in enumerate(local)}
+        self.ep_group = group
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x)
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_down_proj(h)
+
+    def forward(
+        self, x: torch.Tensor, block: torch.Tensor | None = None, coreset: int = 0
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; block [B, T] group ids for the coreset (-1: per token)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.route(flat, None if block is None else block.reshape(-1), coreset)
+        out = torch.zeros_like(flat, dtype=torch.float32)
+        for e in ids.unique().tolist():
+            if self.local_index is not None and e not in self.local_index:
+                continue  # another rank holds it
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            y = self._expert(e, flat[tok]).float() * weights[tok, slot, None]
+            out.index_add_(0, tok, y)
+        if self.local_index is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.ep_group)  # every rank adds its experts' share
+        out = out + self._shared(flat).float()
+        return out.to(x.dtype).reshape(shape)
+
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Reference: every expert on every token, weighted by the (top-k) routing."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.route(flat)
+        dense = torch.zeros(flat.shape[0], self.num_experts)
+        dense.scatter_(1, ids, weights)
+        all_out = torch.stack([self._expert(e, flat) for e in range(self.num_experts)], 1)
+        out = (all_out.float() * dense[..., None]).sum(1) + self._shared(flat).float()
+        return out.to(x.dtype).reshape(shape)
+
+
+def shard_experts(model: nn.Module, group: object = None) -> int:
+    """Expert parallelism over torch.distributed: each rank keeps experts rank::world of every
+    MoE layer and the layers all-reduce their outputs. Same code with gloo (CPU) or NCCL (one
+    GPU per rank). Returns how many MoE layers were sharded."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in layers:
+        moe.shard(rank, world, group)
+    return len(layers)

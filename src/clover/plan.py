@@ -1,0 +1,69 @@
+"""Memory per GPU for a deployment: weights (experts sharded, the rest replicated) plus the
+cache for one full-context sequence, for 1/2/4/8 GPUs at bfloat16 and int8.
+
+Expert parallelism splits the routed experts across GPUs (`MoE.shard`); attention, GDN, the
+shared experts, embeddings and the LM head are replicated. The cache per sequence is the K/V
+of every full-attention layer over the whole context (bf16) plus the fixed-size GDN state.
+Activations, the CUDA context and allocator slack are not included: keep ~10% headroom.
+"""
+
+from __future__ import annotations
+
+from clover.quant import model_bytes
+
+GPUS = (1, 2, 4, 8)
+
+
+def _expert_params(config: object) -> int:
+    experts = getattr(config, "num_experts", 0)
+    width = getattr(config, "moe_intermediate_size", 0)
+    return config.num_hidden_layers * experts * 3 * config.hidden_size * width
+
+
+def cache_bytes(config: object, tokens: int | None = None) -> int:
+    """K/V (bf16) of attention layers + GDN state (fp32) for one sequence of `tokens`."""
+    tokens = tokens or config.max_position_embeddings
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    n_attn = types.count("full_attention")
+    kv = n_attn * 2 * config.num_key_value_heads * config.head_dim * tokens * 2
+    n_gdn = types.count("linear_attention")
+    if not n_gdn:
+        return kv
+    hv, dk = config.linear_num_value_heads, config.linear_key_head_dim
+    dv, kern = config.linear_value_head_dim, config.linear_conv_kernel_dim
+    channels = 2 * config.linear_num_key_heads * dk + hv * dv
+    return kv + n_gdn * (hv * dk * dv * 4 + channels * (kern - 1) * 4)
+
+
+def deployment_plan(config: object) -> list[dict]:
+    rows = []
+    cache = cache_bytes(config)
+    for dtype, per_weight in (("bfloat16", 2.0), ("int8", None)):
+        total = model_bytes(config, dtype)
+        experts = _expert_params(config)
+        # int8 experts: 1 byte per weight + a bf16 scale per row (rows = params / hidden-ish)
+        expert_bytes = experts * per_weight if per_weight else experts * 1.0
+        shared = total - expert_bytes
+        for n in GPUS:
+            weights = shared + expert_bytes / n
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "gpus": n,
+                    "weights_gb": round(weights / 1e9, 2),
+                    "cache_gb_full_context": round(cache / 1e9, 2),
+                    "total_gb": round((weights + cache) / 1e9, 2),
+                }
+            )
+    return rows
+
+
+def format_plan(rows: list[dict]) -> str:
+    lines = ["", "memory per GPU (weights + one full-context sequence's cache; + ~10% headroom)"]
+    lines.append(f"{'dtype':<9} {'GPUs':>4} {'weights GB':>11} {'cache GB':>9} {'total GB':>9}")
+    for r in rows:
+        lines.append(
+            f"{r['dtype']:<9} {r['gpus']:>4} {r['weights_gb']:>11} "
+            f"{r['cache_gb_full_context']:>9} {r['total_gb']:>9}"
+        )
+    return "\n".join(lines)
