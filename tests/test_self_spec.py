@@ -19,13 +19,14 @@ def run(model, prompts, policy, max_new=40, **kw):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("block", [2, 4, 8])
-def test_identical_to_ar_greedy_batched(seed, block):
+@pytest.mark.parametrize("refine", [0, 2])
+def test_identical_to_ar_greedy_batched(seed, block, refine):
     model = tiny_model(seed)
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 20, (4,), generator=g).tolist()
     prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in lengths]
     ar, _ = run(model, prompts, make_policy("ar"), eos_token_ids=[1])
-    spec, _ = run(model, prompts, SelfSpec(block_size=block), eos_token_ids=[1])
+    spec, _ = run(model, prompts, SelfSpec(block, refine), eos_token_ids=[1])
     for a, s in zip(ar, spec):
         assert s.tokens == a.tokens
         assert s.finish_reason == a.finish_reason
@@ -98,3 +99,11 @@ def test_default_model_self_spec_is_exactly_ar_in_float32():
         ar = llm.chat(messages, max_tokens=24, decoder="ar")
         spec = llm.chat(messages, max_tokens=24, decoder="self_spec", block_size=4)
         assert spec.token_ids == ar.token_ids
+
+
+def test_refinement_passes_each_yield_one_exact_token():
+    script = [(3 * i) % 20 + 5 for i in range(20)]
+    model = DraftsWrongSometimes(prompt_len=2, script=script, conf=[0.9] * 20)
+    (res,), events = run(model, [[5, 6]], SelfSpec(block_size=6, refine_steps=1), max_new=20)
+    assert res.tokens == script
+    assert min(len(e.commits) for e in events) >= 1

@@ -37,6 +37,7 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, help="positions per block (default: the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="commit confidence (0.95)")
+    p.add_argument("--refine-steps", type=int, default=0, help="self_spec draft refinements")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,6 +58,7 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
         top_k=a.top_k,
         seed=a.seed,
         stop=tuple(a.stop),
+        refine_steps=a.refine_steps,
     )
 
 

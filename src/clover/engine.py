@@ -49,6 +49,7 @@ class GenerationSettings:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    refine_steps: int = 0  # self_spec: refinement passes over each fresh draft
 
 
 @dataclass
@@ -228,7 +229,7 @@ class LLM:
     ) -> Iterator[TextDelta]:
         """Text deltas per row as tokens become final; `completions` is filled at the end."""
         s = self.default_settings(settings)
-        policy = make_policy(s.decoder, s.block_size, s.threshold)
+        policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
         decoders = [self.tokenizer.stream(skip_special_tokens=True) for _ in prompts]
         seen = [0 for _ in prompts]  # final tokens already decoded, per row

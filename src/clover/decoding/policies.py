@@ -57,6 +57,7 @@ class SelfSpec(Policy):
     in the next pass (fused with the next draft), keep exactly what AR decoding would."""
 
     block_size: int = 32
+    refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified
     name: str = "self_spec"
     speculative = True
 
@@ -64,16 +65,20 @@ class SelfSpec(Policy):
         super().__post_init__()
         if self.block_size < 2:
             raise CloverError("self_spec needs block_size >= 2 (one AR token + drafts)")
+        if not isinstance(self.refine_steps, int) or self.refine_steps < 0:
+            raise CloverError(f"refine_steps must be >= 0, got {self.refine_steps!r}")
 
 
 DECODERS = ("ar", "low_confidence", "self_spec")
 
 
-def make_policy(name: str, block_size: int = 32, threshold: float = 0.95) -> Policy:
+def make_policy(
+    name: str, block_size: int = 32, threshold: float = 0.95, refine_steps: int = 0
+) -> Policy:
     if name == "ar":
         return Policy()
     if name == "low_confidence":
         return LowConfidence(block_size=block_size, threshold=threshold)
     if name == "self_spec":
-        return SelfSpec(block_size=block_size)
+        return SelfSpec(block_size=block_size, refine_steps=refine_steps)
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")

@@ -161,19 +161,35 @@ class BlockRow(Row):
 
 
 class SpecRow(Row):
-    """self_spec: draft a block, verify it causally next pass, keep what AR would write."""
+    """self_spec: draft a block, verify it causally next pass, keep what AR would write.
+
+    With `policy.refine_steps` = r, a fresh draft first goes through r refinement passes:
+    the draft is fed as a bidirectional block behind the last certain token, whose causal
+    output gives the next AR token (so a refinement pass still yields one exact token) while
+    the block outputs re-predict the rest of the draft with the whole draft in view.
+    """
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.draft: list[int] = []
+        self.refine_left = 0
+
+    @property
+    def refining(self) -> bool:
+        return bool(self.draft) and self.refine_left > 0
 
     def plan(self, mask_id: int) -> tuple[list[int], int]:
+        if self.refining:  # [certain | draft as a block]
+            return self.pending + self.draft, len(self.pending)
         masks = [mask_id] * self.policy.block_size
         return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
 
     def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
         # pending is never empty (the prompt, then the last certain token), so the output at
         # its last token predicts draft[0]; the outputs at draft tokens predict the rest
+        if self.refining:
+            self._n_verify = 1
+            return [hidden[n_commit - 1]] + list(hidden[n_commit : n_commit + len(self.draft) - 1])
         verify = hidden[len(self.pending) - 1 : n_commit]
         self._n_verify = len(verify)
         draft = hidden[n_commit : n_commit + self.policy.block_size - 1]  # next draft
@@ -181,6 +197,8 @@ class SpecRow(Row):
 
     def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
         self.steps += 1
+        if self.refining:
+            return self._refine(logits, sampling, eos)
         nv = self._n_verify
         verify, drafted = logits[:nv], logits[nv:]
         accepted, token = 0, None
@@ -193,14 +211,28 @@ class SpecRow(Row):
             break
         rollback = len(self.draft) - accepted
         new = self.draft[:accepted] + [token]
-        start = len(self.answer)
-        self.answer += new
-        self.answer_steps += [self.steps] * len(new)
-        self.pending = [token]
+        start = self._append(new)
         room = self.max_new - len(self.answer) - 1  # the next pass always adds one AR token
         if rollback == 0 and room > 0 and first_eos(new, eos) is None:
             self.draft = drafted.argmax(-1).tolist()[:room]
+            self.refine_left = self.policy.refine_steps
         else:
             self.draft = []
-        commits = [(start + i, t) for i, t in enumerate(new)]
-        return commits, rollback
+        return [(start + i, t) for i, t in enumerate(new)], rollback
+
+    def _refine(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
+        token = int(sample(logits[:1], sampling, self.gen)[0][0])  # exact: a causal output
+        start = self._append([token])
+        # block outputs at draft[0..n-2] re-predict draft[1..n-1]; draft[0]'s slot is `token`
+        refined = logits[1:].argmax(-1).tolist()
+        room = self.max_new - len(self.answer) - 1
+        self.draft = refined[:room] if token not in eos and room > 0 else []
+        self.refine_left -= 1
+        return [(start, token)], 0
+
+    def _append(self, new: list[int]) -> int:
+        start = len(self.answer)
+        self.answer += new
+        self.answer_steps += [self.steps] * len(new)
+        self.pending = [new[-1]]
+        return start
