@@ -115,3 +115,24 @@ def test_bad_requests_are_clear_errors(model):
     no_mask = tiny_model(mask_token_id=None)
     with pytest.raises(CloverError, match="mask_token_id"):
         run(no_mask, [[5]], LowConfidence(block_size=4))
+
+
+@pytest.mark.parametrize("policy", [make_policy("ar"), LowConfidence(block_size=4, threshold=0.3),
+                                    make_policy("self_spec", 4)])  # fmt: skip
+def test_rows_join_and_leave_between_steps(model, policy):
+    from clover.decoding.loop import BatchDecoder
+
+    alone = [run(model, [p], policy, eos_token_ids=[1])[0][0].tokens for p in PROMPTS]
+    batch = BatchDecoder(model)
+    rows = [batch.add(PROMPTS[0], policy, max_new_tokens=24, eos_token_ids=[1])]
+    for _ in range(3):
+        batch.step()
+    rows.append(batch.add(PROMPTS[1], policy, max_new_tokens=24, eos_token_ids=[1]))
+    doomed = batch.add([30, 31, 32], policy, max_new_tokens=24, eos_token_ids=[1])
+    batch.step()
+    rows.append(batch.add(PROMPTS[2], policy, max_new_tokens=24, eos_token_ids=[1]))
+    assert batch.cancel(doomed.index) and not batch.cancel(doomed.index)
+    while batch.active:
+        batch.step()
+    assert [r.result.tokens for r in rows] == alone
+    assert doomed.result.finish_reason == "cancelled"

@@ -24,7 +24,7 @@ from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
 from clover.models.base import DiffusionLM
 
-__all__ = ["Commit", "RowResult", "StepEvent", "generate"]
+__all__ = ["BatchDecoder", "Commit", "RowResult", "StepEvent", "generate"]
 
 
 @dataclass
@@ -67,6 +67,135 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
         )
 
 
+class BatchDecoder:
+    """Sequences decoded together, one forward per step; rows may join (`add`) and leave
+    (`cancel`) between steps, each with its own policy, sampling, budget, EOS ids and stop
+    check. `generate` below is this with all rows added up front; the server keeps one."""
+
+    def __init__(self, model: DiffusionLM) -> None:
+        self.model = model
+        self.config = model.config
+        self.mask_id = self.config.mask_token_id if self.config.mask_token_id is not None else 0
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.active: list[Row] = []  # cache row k belongs to active[k]
+        self.step_count = 0
+        self._next = 0
+
+    def add(
+        self,
+        prompt: list[int],
+        policy: Policy,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        stop: Callable[[int, list[int]], bool] | None = None,
+        index: int | None = None,
+        seed_index: int = 0,
+    ) -> Row:
+        """Queue a prompt into the batch; returns its row (its `.result` fills as it runs)."""
+        _check(self.model, [prompt], policy, max_new_tokens)
+        sampling = sampling or SamplingParams()
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(
+            (sampling.seed if sampling.seed is not None else 0) * 1_000_003 + seed_index
+        )
+        if index is None:
+            index, self._next = self._next, self._next + 1
+        # the answer may use what the context leaves; it then ends with reason "length"
+        budget = min(max_new_tokens, self.model.context_length - len(prompt))
+        args = (index, prompt, budget, policy, gen)
+        row = SpecRow(*args) if policy.speculative else BlockRow(*args, shifted=self.config.shifted)
+        row.sampling, row.eos, row.stop = sampling, set(eos_token_ids), stop
+        cache = self.model.make_cache(1)
+        if policy.speculative:
+            cache.enable_rollback()
+        self.cache = cache if self.cache is None else self.cache.extend(cache)
+        self.active.append(row)
+        return row
+
+    def cancel(self, index: int) -> bool:
+        """Drop a row at once (a client went away); False if it is not running."""
+        for k, r in enumerate(self.active):
+            if r.index == index:
+                r.result.finish_reason = r.result.finish_reason or "cancelled"
+                self._keep([j for j in range(len(self.active)) if j != k])
+                return True
+        return False
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.active):
+            return
+        self.active = [self.active[k] for k in keep]
+        if self.active:
+            self.cache.select(keep)
+        else:
+            self.cache = None
+
+    def step(self) -> StepEvent:
+        """One forward over every active row, then each row commits; finished rows leave."""
+        t0 = time.perf_counter()
+        self.step_count += 1
+        model, active, mask_id = self.model, self.active, self.mask_id
+        plans = [r.plan(mask_id) for r in active]
+        T = max((len(tokens) for tokens, _ in plans), default=0)
+        hidden = None
+        if T:
+            ids = torch.full((len(active), T), mask_id, dtype=torch.long, device=self.device)
+            for k, (tokens, _) in enumerate(plans):
+                ids[k, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            n_valid = torch.tensor([len(t) for t, _ in plans])
+            n_commit = torch.tensor([c for _, c in plans])
+            with torch.inference_mode():
+                hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid)
+        wanted, counts = [], []
+        for k, r in enumerate(active):
+            if plans[k][0]:
+                r.result.nfe += 1
+            vectors = r.wanted(None if hidden is None else hidden[k], plans[k][1])
+            wanted += vectors
+            counts.append(len(vectors))
+        logits = None
+        if wanted:
+            with torch.inference_mode():
+                logits = model.logits(torch.stack(wanted))  # [N, V]
+                if self.config.mask_token_id is not None:
+                    logits[:, self.config.mask_token_id] = float("-inf")  # never an answer
+        n_rows = sum(1 for t, _ in plans if t)
+        event = StepEvent(self.step_count, [], {}, {}, n_rows, T * len(active), 0.0)
+        rollback = torch.zeros(len(active), dtype=torch.long)
+        keep, start = [], 0
+        for k, r in enumerate(active):
+            row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
+            start += counts[k]
+            commits, rollback[k] = r.update(row_logits, r.sampling, r.eos)
+            event.commits += [Commit(r.index, i, t, r.steps) for i, t in commits]
+            reason = r.finish_reason(r.eos)
+            final = r.final_tokens()
+            cut = first_eos(final, r.eos)
+            final = final[: min(r.max_new, len(final) if cut is None else cut)]
+            if len(final) > r.emitted:
+                event.final[r.index] = final[r.emitted :]
+                r.emitted = len(final)
+                if r.stop is not None and r.stop(r.index, final):
+                    reason = "stop"
+            if reason is None:
+                keep.append(k)
+                continue
+            r.result.tokens = final
+            r.result.steps = r.answer_steps[: len(final)]
+            if len(r.result.steps) < len(final):  # ended mid-block by the caller's stop
+                r.result.steps += r.block_steps[: len(final) - len(r.result.steps)]
+            r.result.finish_reason = reason
+            event.finished[r.index] = reason
+        if bool(rollback.any()):
+            self.cache.rollback(rollback)
+        self._keep(keep)
+        event.seconds = time.perf_counter() - t0
+        return event
+
+
 def generate(
     model: DiffusionLM,
     prompts: list[list[int]],
@@ -87,85 +216,21 @@ def generate(
     if not prompts:
         return
     _check(model, prompts, policy, max_new_tokens)
-    config = model.config
-    sampling = sampling or SamplingParams()
-    mask_id = config.mask_token_id if config.mask_token_id is not None else 0
-    eos = set(eos_token_ids)
-    device = next(model.parameters()).device
-    rows: list[Row] = []
-    for i, p in enumerate(prompts):
-        gen = torch.Generator(device=device)
-        gen.manual_seed((sampling.seed if sampling.seed is not None else 0) * 1_000_003 + i)
-        # the answer may use what the context leaves; it then ends with reason "length"
-        args = (i, p, min(max_new_tokens, model.context_length - len(p)), policy, gen)
-        rows.append(
-            SpecRow(*args) if policy.speculative else BlockRow(*args, shifted=config.shifted)
+    batch = BatchDecoder(model)
+    rows = [
+        batch.add(
+            p,
+            policy,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            eos_token_ids=eos_token_ids,
+            stop=stop,
+            index=i,
+            seed_index=i,
         )
+        for i, p in enumerate(prompts)
+    ]
     if results is not None:
         results[:] = [r.result for r in rows]
-    cache = model.make_cache(len(rows))
-    if policy.speculative:
-        cache.enable_rollback()
-    active = list(rows)  # cache row k belongs to active[k]
-    step = 0
-    while active:
-        t0 = time.perf_counter()
-        step += 1
-        plans = [r.plan(mask_id) for r in active]
-        T = max(len(tokens) for tokens, _ in plans)
-        hidden = None
-        if T:
-            ids = torch.full((len(active), T), mask_id, dtype=torch.long, device=device)
-            for k, (tokens, _) in enumerate(plans):
-                ids[k, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            n_valid = torch.tensor([len(t) for t, _ in plans])
-            n_commit = torch.tensor([c for _, c in plans])
-            with torch.inference_mode():
-                hidden = model(ids, cache, "block", n_commit=n_commit, n_valid=n_valid)
-        wanted, counts = [], []
-        for k, r in enumerate(active):
-            if plans[k][0]:
-                r.result.nfe += 1
-            vectors = r.wanted(None if hidden is None else hidden[k], plans[k][1])
-            wanted += vectors
-            counts.append(len(vectors))
-        logits = None
-        if wanted:
-            with torch.inference_mode():
-                logits = model.logits(torch.stack(wanted))  # [N, V]
-                if config.mask_token_id is not None:
-                    logits[:, config.mask_token_id] = float("-inf")  # [MASK] is never an answer
-        event = StepEvent(step, [], {}, {}, sum(1 for t, _ in plans if t), T * len(active), 0.0)
-        rollback = torch.zeros(len(active), dtype=torch.long)
-        keep, start = [], 0
-        for k, r in enumerate(active):
-            row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
-            start += counts[k]
-            commits, rollback[k] = r.update(row_logits, sampling, eos)
-            event.commits += [Commit(r.index, i, t, r.steps) for i, t in commits]
-            reason = r.finish_reason(eos)
-            final = r.final_tokens()
-            cut = first_eos(final, eos)
-            final = final[: min(r.max_new, len(final) if cut is None else cut)]
-            if len(final) > r.emitted:
-                event.final[r.index] = final[r.emitted :]
-                r.emitted = len(final)
-                if stop is not None and stop(r.index, final):
-                    reason = "stop"
-            if reason is None:
-                keep.append(k)
-                continue
-            r.result.tokens = final
-            r.result.steps = r.answer_steps[: len(final)]
-            if len(r.result.steps) < len(final):  # ended mid-block by the caller's stop
-                r.result.steps += r.block_steps[: len(final) - len(r.result.steps)]
-            r.result.finish_reason = reason
-            event.finished[r.index] = reason
-        if bool(rollback.any()):
-            cache.rollback(rollback)
-        if len(keep) < len(active):
-            active = [active[k] for k in keep]
-            if active:
-                cache.select(keep)
-        event.seconds = time.perf_counter() - t0
-        yield event
+    while batch.active:
+        yield batch.step()

@@ -37,6 +37,10 @@ class LayerCache:
         """Forget the last n[b] committed tokens of each row (rejected speculation). Caches
         indexed by length (KV) need nothing: the slots past the length are scratch."""
 
+    def extend(self, other: LayerCache) -> None:
+        """Append other's rows (a sequence joining a running batch)."""
+        raise NotImplementedError
+
 
 class KVCache(LayerCache):
     """K/V of one attention layer: k, v [B, H_kv, capacity, D]."""
@@ -82,6 +86,13 @@ class KVCache(LayerCache):
         self.k = self.k[rows]
         self.v = self.v[rows]
 
+    def extend(self, other: KVCache) -> None:
+        cap = max(self.capacity, other.capacity)
+        self.reserve(cap)
+        other.reserve(cap)
+        self.k = torch.cat([self.k, other.k])
+        self.v = torch.cat([self.v, other.v])
+
 
 class ModelCache:
     """The whole model's cache: one `LayerCache` per layer and the committed length per row."""
@@ -123,6 +134,13 @@ class ModelCache:
         for layer in self.layers:
             layer.rollback(n)
         self.lengths = self.lengths - n
+
+    def extend(self, other: ModelCache) -> ModelCache:
+        """Append other's rows; returns self."""
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.extend(theirs)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        return self
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
         rows = torch.as_tensor(rows, dtype=torch.long)

@@ -55,6 +55,12 @@ class GDNCache(LayerCache):
         self.conv, self.state = self.conv[rows], self.state[rows]
         self.saved = None
 
+    def extend(self, other: GDNCache) -> None:
+        self.conv = torch.cat([self.conv, other.conv])
+        self.state = torch.cat([self.state, other.state])
+        self.track = self.track or other.track
+        self.saved = None
+
     def rollback(self, n: torch.Tensor) -> None:
         if not bool(n.any()):
             return
