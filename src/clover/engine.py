@@ -231,22 +231,9 @@ class LLM:
         s = self.default_settings(settings)
         policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
-        decoders = [self.tokenizer.stream(skip_special_tokens=True) for _ in prompts]
-        seen = [0 for _ in prompts]  # final tokens already decoded, per row
-        held = ["" for _ in prompts]  # decoded text held back while it may start a stop string
-        outbox = ["" for _ in prompts]  # text ready to emit
-        texts = ["" for _ in prompts]  # text emitted so far (never changes)
-        stopped = [False for _ in prompts]
+        texts = [TextStream(self.tokenizer, s.stop) for _ in prompts]
         results: list[RowResult] = []
         t0 = time.perf_counter()
-
-        def on_final(row: int, final: list[int]) -> bool:
-            held[row] += decoders[row].push(final[seen[row] :])
-            seen[row] = len(final)
-            emit, held[row], stopped[row] = _split_stop(held[row], s.stop, final=False)
-            outbox[row] += emit
-            return stopped[row]
-
         loop = generate(
             self.model,
             prompts,
@@ -254,27 +241,24 @@ class LLM:
             max_new_tokens=s.max_tokens,
             sampling=sampling,
             eos_token_ids=self.eos_token_ids,
-            stop=on_final,
+            stop=lambda row, final: texts[row].on_final(final),
             results=results,
         )
         for event in loop:
             for row in event.finished:
-                if not stopped[row]:
-                    tail = held[row] + decoders[row].flush()
-                    outbox[row] += _split_stop(tail, s.stop, final=True)[0]
-            for row, text in enumerate(outbox):
+                texts[row].finish()
+            for row, ts in enumerate(texts):
+                text = ts.take()
                 if text:
-                    texts[row] += text
-                    outbox[row] = ""
                     yield TextDelta(row, text)
         seconds = time.perf_counter() - t0
         if completions is not None:
             completions[:] = [
                 Completion(
-                    text=texts[i],
+                    text=texts[i].text,
                     token_ids=r.tokens,
                     prompt_tokens=len(prompts[i]),
-                    finish_reason="stop" if stopped[i] else r.finish_reason,
+                    finish_reason="stop" if texts[i].stopped else r.finish_reason,
                     nfe=r.nfe,
                     seconds=seconds,
                     steps=r.steps,
@@ -307,6 +291,42 @@ class LLM:
         for _ in self.stream([self.chat_prompt(messages)], settings, out):
             pass
         return out[0]
+
+
+class TextStream:
+    """One answer's token ids -> final text: streaming detokenization and stop strings.
+
+    `on_final(tokens)` takes the answer's final tokens so far (the loop's stop check) and
+    returns True once a stop string appeared; `finish()` flushes at the end; `take()` returns
+    text that is now safe to show (never text that later changes or passes a stop string).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self.decoder = tokenizer.stream(skip_special_tokens=True)
+        self.stops = stops
+        self.seen = 0  # final tokens already decoded
+        self.held = ""  # decoded text held back while it may start a stop string
+        self.outbox = ""  # text ready to emit
+        self.text = ""  # text emitted so far
+        self.stopped = False
+
+    def on_final(self, final: list[int]) -> bool:
+        self.held += self.decoder.push(final[self.seen :])
+        self.seen = len(final)
+        emit, self.held, self.stopped = _split_stop(self.held, self.stops, final=False)
+        self.outbox += emit
+        return self.stopped
+
+    def finish(self) -> None:
+        if not self.stopped:
+            tail = self.held + self.decoder.flush()
+            self.outbox += _split_stop(tail, self.stops, final=True)[0]
+            self.held = ""
+
+    def take(self) -> str:
+        out, self.outbox = self.outbox, ""
+        self.text += out
+        return out
 
 
 def _settings(settings: GenerationSettings | None, kw: dict) -> GenerationSettings:

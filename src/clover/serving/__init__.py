@@ -1,0 +1,1 @@
+"""Serving: the scheduler that batches requests, and the OpenAI-compatible server."""

@@ -1,0 +1,235 @@
+"""One scheduler thread shares the model among requests: continuous batching of decoding rows.
+
+Requests wait in a bounded queue; the scheduler admits them while fewer than `max_running`
+rows run, and every step is one forward over all running rows (different lengths, different
+block positions, different decoders). Rows join and leave between steps (`BatchDecoder`).
+Each request gets a thread-safe queue of events:
+
+  {"type": "delta", "choice": i, "text": str, "tokens": [...], "commits": [(index, token,
+   step)], ...}   text that just became final (never changes later), with the commits behind it
+  {"type": "done", "choice": i, "completion": Completion}
+  {"type": "error", "message": str}
+
+A cancelled request (client gone) leaves the batch before the next step. Shutdown stops
+admitting, lets running rows finish (or cancels them after a grace period) and exits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from clover.decoding.loop import BatchDecoder
+from clover.decoding.policies import make_policy
+from clover.decoding.sampling import SamplingParams
+from clover.engine import LLM, Completion, GenerationSettings, TextStream
+from clover.errors import CloverError
+
+
+class Overloaded(CloverError):
+    """The queue is full: the caller should answer 503 with Retry-After."""
+
+
+class ShuttingDown(CloverError):
+    """The server is draining: no new requests."""
+
+
+@dataclass
+class Ticket:
+    id: int
+    prompt: list[int]
+    settings: GenerationSettings
+    n: int
+    events: queue.Queue = field(default_factory=queue.Queue)
+    created: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    rows: dict = field(default_factory=dict)  # row index -> (choice, TextStream)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    forward_passes: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, llm: LLM, max_running: int = 8, max_queue: int = 64) -> None:
+        if max_running < 1 or max_queue < 0:
+            raise CloverError("max_running must be >= 1 and max_queue >= 0")
+        self.llm = llm
+        self.max_running, self.max_queue = max_running, max_queue
+        self.batch = BatchDecoder(llm.model)
+        self.waiting: deque[Ticket] = deque()
+        self.running: dict[int, Ticket] = {}  # row index -> ticket
+        self.stats = Stats()
+        self._ids = itertools.count()
+        self._rows = itertools.count()
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="clover-scheduler", daemon=True)
+
+    # --- called from request handlers ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: list[int], settings: GenerationSettings, n: int = 1) -> Ticket:
+        s = self.llm.default_settings(settings)
+        make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)  # validate now
+        SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            free = max(0, self.max_running - self.running_rows)
+            if len(self.waiting) >= self.max_queue + free:
+                self.stats.rejected += 1
+                raise Overloaded(
+                    f"server busy: {self.running_rows} running, {len(self.waiting)} queued"
+                )
+            ticket = Ticket(next(self._ids), prompt, s, n)
+            self.waiting.append(ticket)
+            self.stats.requests += 1
+            self._lock.notify()
+        return ticket
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running_rows(self) -> int:
+        return len(self.batch.active)
+
+    def shutdown(self, grace: float = 30.0) -> None:
+        """Stop admitting; wait up to `grace` s for running rows; then cancel what is left."""
+        with self._lock:
+            self._stopping = True
+            for t in self.waiting:
+                t.events.put({"type": "error", "message": "the server is shutting down"})
+            self.waiting.clear()
+            self._lock.notify()
+        deadline = time.monotonic() + grace
+        while self.running_rows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            for t in set(self.running.values()):
+                t.cancel()
+            self._lock.notify()
+        self._thread.join(timeout=5)
+
+    # --- the scheduler thread -----------------------------------------------------------------
+
+    def _admit(self) -> None:
+        # a request with n > max_running still runs, alone, rather than waiting forever
+        while self.waiting and (
+            len(self.batch.active) + self.waiting[0].n <= self.max_running or not self.batch.active
+        ):
+            t = self.waiting.popleft()
+            if t.cancelled:
+                continue
+            s = t.settings
+            policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)
+            sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+            try:
+                for choice in range(t.n):
+                    text = TextStream(self.llm.tokenizer, s.stop)
+                    row = self.batch.add(
+                        t.prompt,
+                        policy,
+                        max_new_tokens=s.max_tokens,
+                        sampling=sampling,
+                        eos_token_ids=self.llm.eos_token_ids,
+                        stop=lambda _i, final, text=text: text.on_final(final),
+                        index=next(self._rows),
+                        seed_index=choice,
+                    )
+                    row.t_start = time.monotonic()
+                    t.rows[row.index] = (choice, text, row)
+                    self.running[row.index] = t
+                self.stats.prompt_tokens += len(t.prompt)
+            except CloverError as e:
+                for index in list(t.rows):
+                    self.batch.cancel(index)
+                    self.running.pop(index, None)
+                t.events.put({"type": "error", "message": str(e)})
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                for index, t in list(self.running.items()):
+                    if t.cancelled and self.batch.cancel(index):
+                        self.running.pop(index)
+                        self.stats.cancelled += 1
+                self._admit()
+                if not self.batch.active:
+                    if self._stopping:
+                        return
+                    self._lock.wait(timeout=0.5)
+                    continue
+            try:
+                event = self.batch.step()
+            except Exception as e:  # noqa: BLE001 (a failed step must not kill the server)
+                self._fail_all(f"decoding failed: {type(e).__name__}")
+                continue
+            self.stats.steps += 1
+            self.stats.forward_passes += 1 if event.forward_rows else 0
+            self._dispatch(event)
+
+    def _dispatch(self, event: object) -> None:
+        commits: dict[int, list] = {}
+        for c in event.commits:
+            commits.setdefault(c.row, []).append((c.index, c.token, c.step))
+        for index in set(commits) | set(event.final) | set(event.finished):
+            t = self.running.get(index)
+            if t is None:
+                continue
+            choice, text, row = t.rows[index]
+            if index in event.finished:
+                text.finish()
+            delta = text.take()
+            if delta or index in commits:
+                t.events.put(
+                    {
+                        "type": "delta",
+                        "choice": choice,
+                        "text": delta,
+                        "tokens": event.final.get(index, []),
+                        "commits": commits.get(index, []),
+                        "step": row.steps,
+                    }
+                )
+            if index in event.finished:
+                r = row.result
+                completion = Completion(
+                    text=text.text,
+                    token_ids=r.tokens,
+                    prompt_tokens=len(t.prompt),
+                    finish_reason="stop" if text.stopped else r.finish_reason,
+                    nfe=r.nfe,
+                    seconds=time.monotonic() - row.t_start,
+                    steps=r.steps,
+                )
+                self.stats.output_tokens += len(r.tokens)
+                self.stats.finished += 1
+                self.running.pop(index, None)
+                t.events.put({"type": "done", "choice": choice, "completion": completion})
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            for index, t in list(self.running.items()):
+                self.batch.cancel(index)
+                t.events.put({"type": "error", "message": message})
+            self.running.clear()
