@@ -263,6 +263,15 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_adapt(a: argparse.Namespace) -> int:
+    from clover.train.adapt import TrainConfig, train
+
+    overrides = {"steps": a.steps, "out": a.out, "data": a.data}
+    cfg = TrainConfig.from_yaml(a.config, **overrides)
+    print(json.dumps(train(cfg, resume=a.resume, progress=not a.quiet)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion LMs.")
     parser.add_argument("--version", action="version", version=f"clover {__version__}")
@@ -302,6 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--top-k", type=int, default=8, help="teacher log-probs kept per position")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_data_distill)
+    tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)
+    t = tr.add_parser("adapt", help="AR -> block-diffusion adaptation on distilled data")
+    t.add_argument("--config", required=True, help="YAML run config (see clover.train.adapt)")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.add_argument("--steps", type=int, help="override the config's steps")
+    t.add_argument("--out", help="override the config's output directory")
+    t.add_argument("--data", help="override the config's data directory")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train_adapt)
     e = sub.add_parser("export", help="write a Hugging Face style checkpoint (transformers too)")
     e.add_argument("model", help="name, GGUF file or HF directory")
     e.add_argument("out_dir", help="directory to write (must be empty unless --force)")

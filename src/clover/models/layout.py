@@ -60,7 +60,11 @@ def cached_layout(
 
 
 def training_layout(
-    prompt_lens: torch.Tensor, clean_len: int, answer_len: int, block_size: int
+    prompt_lens: torch.Tensor,
+    clean_len: int,
+    answer_len: int,
+    block_size: int,
+    answer_lens: torch.Tensor | None = None,
 ) -> StepLayout:
     """Layout for [clean (prompt + answer, padded to clean_len) | noisy answer (answer_len)].
 
@@ -68,6 +72,8 @@ def training_layout(
     block i // block_size (blocks start where the answer starts, as in decoding). Clean token t
     sees clean tokens <= t. Noisy token i sees clean tokens before its block and the noisy tokens
     of its own block. Positions of noisy tokens equal those of their clean twins.
+    answer_lens [B] (optional): noisy tokens past a row's answer are padding, seen by nobody
+    (a short last block then looks exactly like the short last block of decoding).
     Returns a layout over T = clean_len + answer_len tokens with a [B, 1, T, T] mask.
     """
     B = prompt_lens.shape[0]
@@ -85,7 +91,10 @@ def training_layout(
     clean_q = ~k_noisy & (idx[None, None, :] <= idx[None, :, None])
     # noisy query: clean keys before its block start, noisy keys of the same block
     same_block = (answer_idx[:, None] // block_size) == (answer_idx[None, :] // block_size)
-    noisy_q = torch.where(k_noisy, same_block[None], idx[None, None, :] < block_start[:, :, None])
+    noisy_keys = same_block[None].expand(B, T, T)
+    if answer_lens is not None:
+        noisy_keys = noisy_keys & (answer_idx[None, None, :] < answer_lens[:, None, None])
+    noisy_q = torch.where(k_noisy, noisy_keys, idx[None, None, :] < block_start[:, :, None])
     mask = torch.where(q_noisy, noisy_q, clean_q.expand(B, T, T))
     zeros = torch.zeros(B, dtype=torch.long, device=device)
     structure = (prompt_lens, clean_len, answer_len, block_size)

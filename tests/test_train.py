@@ -1,0 +1,72 @@
+import json
+
+import pytest
+import torch
+
+from clover.cli import main
+from clover.data.distill import distill
+from clover.errors import CloverError
+from clover.train.adapt import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def data(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill")
+    distill(str(tiny_checkpoint), out, 40, max_tokens=12, batch_size=8, top_k=4,
+            dtype="float32", progress=False)  # fmt: skip
+    return out
+
+
+def config(tiny_checkpoint, data, out, **kw):
+    base = dict(data=str(data), out=str(out), base=str(tiny_checkpoint), steps=6, batch_size=4,
+                lr=3e-3, warmup=1, block_sizes=[4], eval_every=3, save_every=2, seed=1)  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("loss", ["kl", "ce"])
+def test_training_lowers_the_masked_loss(tiny_checkpoint, data, tmp_path, loss):
+    cfg = config(tiny_checkpoint, data, tmp_path / "run", steps=12, loss=loss)
+    train(cfg, progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 12
+    first, last = lines[0], lines[-1]
+    assert last["masked"] < first["masked"]
+    assert "heldout" in last and last["tokens_per_s"] > 0
+
+
+def test_resume_continues_exactly(tiny_checkpoint, data, tmp_path):
+    full = config(tiny_checkpoint, data, tmp_path / "full")
+    train(full, progress=False)
+    part = config(tiny_checkpoint, data, tmp_path / "part")
+    train(part, progress=False, until=3)  # stopped after step 3 (checkpoint at 3)
+    with open(tmp_path / "part" / "metrics.jsonl", "a") as f:  # a step lost to a kill
+        f.write(json.dumps({"step": 4, "masked": 9.9}) + "\n")
+    train(part, resume=True, progress=False)
+
+    def curve(d):
+        return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = curve("full"), curve("part")
+    assert [x["step"] for x in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert x["masked"] == pytest.approx(y["masked"], rel=1e-4)
+    sa = torch.load(tmp_path / "full" / "checkpoint" / "state.pt", weights_only=True)["model"]
+    sb = torch.load(tmp_path / "part" / "checkpoint" / "state.pt", weights_only=True)["model"]
+    assert all(torch.allclose(sa[k], sb[k], atol=1e-6) for k in sa)
+
+
+def test_config_errors_and_cli(tiny_checkpoint, data, tmp_path):
+    with pytest.raises(CloverError, match="loss"):
+        config(tiny_checkpoint, data, tmp_path, loss="mse")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: x\nout: y\nwhat: 1\n")
+    with pytest.raises(CloverError, match="unknown key"):
+        TrainConfig.from_yaml(bad)
+    good = tmp_path / "run.yaml"
+    good.write_text(
+        f"data: {data}\nout: {tmp_path / 'cli'}\nbase: {tiny_checkpoint}\nsteps: 2\n"
+        "batch_size: 2\nblock_sizes: [2, 4]\ntrainable: last:1\n"
+    )
+    assert main(["train", "adapt", "--config", str(good), "--quiet"]) == 0
+    assert (tmp_path / "cli" / "checkpoint" / "state.pt").exists()
+    assert main(["train", "adapt", "--config", str(good), "--resume", "--quiet"]) == 0
