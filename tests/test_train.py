@@ -32,6 +32,11 @@ def test_training_lowers_the_masked_loss(tiny_checkpoint, data, tmp_path, loss):
     first, last = lines[0], lines[-1]
     assert last["masked"] < first["masked"]
     assert "heldout" in last and last["tokens_per_s"] > 0
+    from clover.engine import LLM
+
+    adapted = LLM(str(tmp_path / "run" / "model"), progress=False)
+    assert adapted.config.default_decoder == "low_confidence"
+    assert adapted.generate("hello", max_tokens=4)[0].output_tokens <= 4
 
 
 def test_resume_continues_exactly(tiny_checkpoint, data, tmp_path):

@@ -315,7 +315,23 @@ def train(
     if bar is not None:
         bar.close()
     model.eval()
+    if step >= cfg.steps:
+        export_model(model, llm, out / "model")
     return {"steps": step, "trainable_params": n_train, **last}
+
+
+def export_model(model: torch.nn.Module, llm: object, target: Path) -> Path:
+    """The adapted model as an HF-format directory that every command loads (atomic)."""
+    from clover.weights import save_checkpoint
+
+    config = model.config
+    config.default_decoder = "low_confidence"
+    # the weights are no longer the GGUF's 4-bit levels: `auto` must not re-quantize them
+    config.extra.pop("gguf_file_type", None)
+    files = []
+    if llm.directory is not None:
+        files = [Path(llm.directory) / n for n in ("tokenizer.json", "tokenizer_config.json")]
+    return save_checkpoint(model, target, [f for f in files if f.exists()])
 
 
 def _trim_metrics(path: Path, step: int) -> None:
