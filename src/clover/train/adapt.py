@@ -59,6 +59,7 @@ class TrainConfig:
     eval_every: int = 50
     save_every: int = 50
     eval_examples: int = 32
+    device: str = "cpu"  # "cuda" on a GPU: the same code
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -133,7 +134,7 @@ def make_batch(
         if tids:
             top_ids[b, :A] = torch.tensor(tids)
             top_lp[b, :A] = torch.tensor(tlp)
-    return {
+    tensors = {
         "ids": ids,
         "prompt_lens": prompt_lens,
         "answer_lens": answer_lens,
@@ -145,6 +146,8 @@ def make_batch(
         "top_ids": top_ids,
         "top_lp": top_lp,
     }
+    device = torch.device(cfg.device)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in tensors.items()}
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor, tid: torch.Tensor, tlp: torch.Tensor,
@@ -162,11 +165,12 @@ def compute_loss(model: object, batch: dict, cfg: TrainConfig) -> tuple[torch.Te
         batch["prompt_lens"], batch["clean_len"], batch["ans_len"], batch["block"],
         batch["answer_lens"],
     )  # fmt: skip
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+    dev = batch["ids"].device
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
         hidden = model(batch["ids"], mode="train", layout=layout)
     C, B_ = batch["clean_len"], batch["block"]
     P = batch["prompt_lens"][:, None]
-    j = torch.arange(batch["ans_len"])[None, :].expand_as(batch["target"])
+    j = torch.arange(batch["ans_len"], device=dev)[None, :].expand_as(batch["target"])
     valid = batch["target"] >= 0
     # token shift: a block's first position reads the clean prefix, the others the noisy copy
     src = torch.where(j % B_ == 0, P + j - 1, C + j - 1)
@@ -238,7 +242,7 @@ def train(
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(cfg.base, dtype="float32", progress=progress)
-    model = llm.model
+    model = llm.model.to(cfg.device)
     mask_id = model.config.mask_token_id
     if mask_id is None:
         raise CloverError(f"{cfg.base} has no mask_token_id to train with")
@@ -258,12 +262,12 @@ def train(
     if resume:
         if not ckpt.exists():
             raise CloverError(f"nothing to resume in {out}")
-        state = torch.load(ckpt, weights_only=True)
-        model.load_state_dict(state["model"])
+        state = torch.load(ckpt, weights_only=True, map_location=cfg.device)
+        model.load_state_dict(state["model"])  # map_location: CPU tensors copy onto device
         opt.load_state_dict(state["optimizer"])
         step, order = state["step"], state["order"]
         rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     _trim_metrics(out / "metrics.jsonl", step)  # a killed run's steps after its checkpoint
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
@@ -316,7 +320,7 @@ def train(
         bar.close()
     model.eval()
     if step >= cfg.steps:
-        export_model(model, llm, out / "model")
+        export_model(model.cpu(), llm, out / "model")
     return {"steps": step, "trainable_params": n_train, **last}
 
 
