@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threshold", type=float, default=0.95)
+    ap.add_argument("--label", help="name in the results file (default: from --model)")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, progress=False)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -87,7 +89,9 @@ def main() -> None:
         "command": f"python benchmarks/decoders.py --model {args.model} --dtype {args.dtype} "
         f"--tokens {args.tokens}",
     }
-    out_path = Path(__file__).parent / "results" / f"decoders-{args.model}-{llm.dtype}.json"
+    label = args.label or "-".join(Path(args.model).parts[-2:]) if "/" in args.model else args.model
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", args.label or label)
+    out_path = Path(__file__).parent / "results" / f"decoders-{label}-{llm.dtype}.json"
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
