@@ -272,6 +272,57 @@ def cmd_train_adapt(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from clover.serving.server import ServeOptions, serve
+
+    options = ServeOptions(
+        model=a.model,
+        dtype=a.dtype,
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key or os.environ.get("CLOVER_API_KEY") or None,
+        served_model_name=a.served_model_name,
+        max_running=a.max_running,
+        max_queue=a.max_queue,
+        request_timeout=a.request_timeout or None,
+        max_body_bytes=a.max_body_bytes,
+        decoder=a.decoder,
+        block_size=a.block_size,
+        threshold=a.threshold,
+        max_tokens=a.max_tokens,
+        shutdown_grace=a.shutdown_grace,
+        access_log=a.access_log,
+    )
+    return serve(options)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")
+    p.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` (default: $CLOVER_API_KEY)"
+    )
+    p.add_argument("--served-model-name", help="model id clients use (default: the model's)")
+    p.add_argument("--max-running", type=int, default=8, help="sequences batched together (8)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests; more get 503")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request (600; 0: none)"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="(4 MiB)")
+    p.add_argument(
+        "--decoder", choices=["ar", "low_confidence", "self_spec"], help="default: the model's"
+    )
+    p.add_argument("--block-size", type=int, help="default positions per block (the model's)")
+    p.add_argument("--threshold", type=float, default=0.95, help="default commit confidence")
+    p.add_argument("--max-tokens", type=int, default=256, help="when a request sets none (256)")
+    p.add_argument(
+        "--shutdown-grace", type=float, default=30.0, help="seconds to finish answers on SIGTERM"
+    )
+    p.add_argument("--access-log", action="store_true", help="log every request")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion LMs.")
     parser.add_argument("--version", action="version", version=f"clover {__version__}")
@@ -326,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     e.set_defaults(func=cmd_export)
+    s = sub.add_parser("serve", help="OpenAI-compatible server with a web page")
+    _model_args(s)
+    _serve_args(s)
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -111,6 +111,13 @@ class BatchDecoder:
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()
+        if self.step_count and self.active and len(prompt) > 1:
+            # joining a running batch: prefill alone, so the batch's next step is not padded
+            # to this prompt's length for every row (one extra pass for this row only)
+            with torch.inference_mode():
+                self.model(torch.tensor([prompt[:-1]], device=self.device), cache, "causal")
+            row.pending = [prompt[-1]]
+            row.result.nfe += 1
         self.cache = cache if self.cache is None else self.cache.extend(cache)
         self.active.append(row)
         return row

@@ -88,7 +88,7 @@ class DiffusionLM(nn.Module):
             block = valid - commit
             if bool((block < 0).any()):
                 raise CloverError("n_commit exceeds the number of valid tokens")
-        cache.prepare(T)
+        cache.prepare(T, valid)
         step = cached_layout(commit, block, cache.lengths, T)
         hidden = self.backbone(input_ids, step, cache.layers)
         cache.advance(commit)

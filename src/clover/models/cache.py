@@ -106,18 +106,21 @@ class ModelCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def prepare(self, num_tokens: int) -> None:
-        """Make room for a forward of `num_tokens` tokens; refuse to pass the context."""
-        need = int(self.lengths.max()) + num_tokens
-        if need > self.max_length:
+    def prepare(self, num_tokens: int, n_valid: torch.Tensor | None = None) -> None:
+        """Make room for a forward of `num_tokens` input positions (padding included) and
+        refuse a row whose real tokens (n_valid[b]) would pass the context."""
+        real = self.lengths + (num_tokens if n_valid is None else n_valid)
+        if bool((real > self.max_length).any()):
             raise CloverError(
-                f"sequence would reach {need} tokens, over the model's context of "
+                f"sequence would reach {int(real.max())} tokens, over the model's context of "
                 f"{self.max_length} (prompt + generation)"
             )
+        # scratch slots: padding of short rows may land past the context; that is fine
+        need = int(self.lengths.max()) + num_tokens
         for layer in self.layers:
             current = getattr(layer, "capacity", 0)
             if need > current:  # grow geometrically so long generations copy rarely
-                layer.reserve(min(self.max_length, max(need, 2 * current, 256)))
+                layer.reserve(max(need, min(2 * current, self.max_length), 256))
 
     def advance(self, n_commit: torch.Tensor) -> None:
         self.lengths = self.lengths + n_commit

@@ -1,0 +1,188 @@
+"""Load on `clover serve`: throughput and latency at several concurrencies, batched vs not.
+
+Usage: python benchmarks/serve_load.py [--model smollm2-135m] [--max-tokens 48]
+           [--concurrency 1,4,16] [--requests N] [--batched-running 16]
+
+Starts the server twice on a free local port: once batching up to --batched-running sequences
+per forward pass, once with --max-running 1 (one request at a time, the rest queued). At each
+concurrency C, C client threads send streaming chat requests back to back until N requests
+(default max(12, 2 C)) are done. Reported per level: requests/s and output tokens/s over the
+level's wall time, and p50/p95 of the time to first token and of end-to-end latency, as a
+client sees them (queueing included). Greedy decoding; prompts cycle through a fixed list.
+Writes benchmarks/results/serve_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give three tips for better sleep.",
+    "Explain what a hash table is in two sentences.",
+    "Translate 'good morning' into Spanish and French.",
+    "What is 12 times 7? Answer briefly.",
+    "Name three planets of the solar system.",
+    "Why is the sky blue? One sentence.",
+]
+
+
+def start_server(args: argparse.Namespace, max_running: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "clover.cli", "serve", "--model", args.model]
+    cmd += ["--dtype", args.dtype, "--port", "0", "--max-running", str(max_running)]
+    cmd += ["--max-queue", "1024", "--max-tokens", str(args.max_tokens)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    banner = proc.stdout.readline()
+    if " at http://" not in banner:
+        proc.kill()
+        raise SystemExit(f"server did not start: {banner!r}")
+    url = banner.split(" at ", 1)[1].split(" ", 1)[0]
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not become ready")
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if first is None and choice["delta"].get("content"):
+                    first = time.perf_counter() - start
+    end = time.perf_counter() - start
+    return {"ttft": first if first is not None else end, "e2e": end, "tokens": tokens}
+
+
+def run_level(url: str, concurrency: int, total: int, max_tokens: int) -> dict:
+    results: list[dict] = []
+    counter = iter(range(total))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            r = one_request(url, PROMPTS[i % len(PROMPTS)], max_tokens)
+            with lock:
+                results.append(r)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(results) / wall, 3),
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "mean_output_tokens": round(tokens / len(results), 1),
+        "ttft_p50_s": round(percentile([r["ttft"] for r in results], 50), 3),
+        "ttft_p95_s": round(percentile([r["ttft"] for r in results], 95), 3),
+        "e2e_p50_s": round(percentile([r["e2e"] for r in results], 50), 3),
+        "e2e_p95_s": round(percentile([r["e2e"] for r in results], 95), 3),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, help="per level (default: max(12, 2 x concurrency))")
+    ap.add_argument("--batched-running", type=int, default=16)
+    ap.add_argument("--out", default="benchmarks/results/serve_load.json")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = {"batched": args.batched_running, "one_at_a_time": 1}
+    results: dict[str, dict] = {}
+    for mode, running in modes.items():
+        proc, url = start_server(args, running)
+        try:
+            one_request(url, PROMPTS[0], 8)  # warm-up
+            results[mode] = {}
+            for c in levels:
+                n = args.requests or max(12, 2 * c)
+                results[mode][str(c)] = level = run_level(url, c, n, args.max_tokens)
+                print(f"{mode:>14} c={c:<3} {json.dumps(level)}", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    ratio = {
+        str(c): {
+            key: round(results["batched"][str(c)][key] / results["one_at_a_time"][str(c)][key], 2)
+            for key in ("requests_per_s", "output_tokens_per_s")
+        }
+        for c in levels
+    }
+    import torch
+
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "decoder": "the model's default",
+        "batched_max_running": args.batched_running,
+        "results": results,
+        "batched_over_one_at_a_time": ratio,
+        "command": f"python benchmarks/serve_load.py --model {args.model} --dtype {args.dtype} "
+        f"--max-tokens {args.max_tokens} --concurrency {args.concurrency} "
+        + (f"--requests {args.requests} " if args.requests else "")
+        + f"--batched-running {args.batched_running}",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(ratio))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""`clover serve`'s settings, checked once at start so a bad flag fails before the socket opens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clover.decoding.policies import DECODERS
+from clover.engine import DEFAULT_MODEL
+from clover.errors import CloverError
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # what clients put in "model"; default: the model's
+    max_running: int = 8  # rows decoded together in one forward pass
+    max_queue: int = 64  # requests waiting beyond those; more get 503
+    request_timeout: float | None = 600.0  # seconds from arrival to the last token
+    max_body_bytes: int = 4 * 1024 * 1024
+    decoder: str | None = None  # None: the model's default
+    block_size: int | None = None
+    threshold: float = 0.95
+    max_tokens: int = 256  # when a request does not say
+    shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
+    access_log: bool = False
+
+    def check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise CloverError(f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise CloverError("--api-key must not be empty")
+        if self.max_running < 1 or self.max_queue < 0:
+            raise CloverError("--max-running must be >= 1 and --max-queue >= 0")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise CloverError("--request-timeout must be > 0 seconds")
+        if self.max_body_bytes < 1024:
+            raise CloverError("--max-body-bytes must be at least 1024")
+        if self.decoder is not None and self.decoder not in DECODERS:
+            raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
+        if self.block_size is not None and self.block_size < 1:
+            raise CloverError("--block-size must be >= 1")
+        if not 0 <= self.threshold <= 1:
+            raise CloverError("--threshold must be in [0, 1]")
+        if self.max_tokens < 1:
+            raise CloverError("--max-tokens must be >= 1")
+        if self.shutdown_grace < 0:
+            raise CloverError("--shutdown-grace must be >= 0")

@@ -1,0 +1,181 @@
+"""The server's model, scheduler and lifecycle, and the bridge from scheduler to handlers.
+
+Lifecycle: loading (the socket is up, `/health` says 503) -> ready -> draining (SIGTERM: new
+requests get 503 while running answers finish) -> stopped; a failed load ends the server.
+The model loads in a background thread so the port answers at once.
+
+The scheduler runs in its own thread and reports through each ticket's thread-safe queue.
+Handlers are async, so they poll that queue without blocking the event loop: a blocking
+`get` in a worker thread per request would tie up the small default thread pool with
+waiting, and `asyncio.sleep` between non-blocking reads costs nothing measurable beside a
+forward pass. Whatever way a handler stops early (client gone, timeout, error), its tickets
+are cancelled, so their rows leave the batch before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from clover.engine import LLM, GenerationSettings
+from clover.errors import CloverError
+from clover.serving.errors import APIError, bad_request, unavailable
+from clover.serving.metrics import Metrics
+from clover.serving.options import ServeOptions
+from clover.serving.protocol import Limits
+from clover.serving.scheduler import Overloaded, Scheduler, ShuttingDown, Ticket
+
+log = logging.getLogger("clover.serve")
+POLL_S = 0.005  # how often a waiting handler looks at its ticket's queue
+DISCONNECT_CHECK_S = 0.25
+
+
+class Runtime:
+    def __init__(self, options: ServeOptions, loader: Callable[[], LLM] | None = None) -> None:
+        self.options = options
+        self.loader = loader or (lambda: LLM(options.model, dtype=options.dtype, progress=False))
+        self.llm: LLM | None = None
+        self.scheduler: Scheduler | None = None
+        self.limits: Limits | None = None
+        self.error: str | None = None
+        self.draining = False
+        self.metrics = Metrics()
+        self.on_failure: Callable[[], None] | None = None  # the server stops itself
+        self._token_text: dict[int, str] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start_loading(self) -> None:
+        threading.Thread(target=self._load, name="clover-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            llm = self.loader()
+            scheduler = Scheduler(llm, self.options.max_running, self.options.max_queue)
+            o = self.options
+            defaults = GenerationSettings(
+                decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
+                max_tokens=o.max_tokens,
+            )  # fmt: skip
+            self.limits = Limits(
+                model_names=(o.served_model_name or llm.name,),
+                context_length=llm.model.context_length,
+                vocab_size=llm.tokenizer.vocab_size,
+                defaults=llm.default_settings(defaults),
+            )
+            scheduler.start()
+            self.llm, self.scheduler = llm, scheduler  # ready from here on
+        except Exception as e:  # noqa: BLE001 (any failure must stop the server cleanly)
+            self.error = str(e) if isinstance(e, CloverError) else f"{type(e).__name__}: {e}"
+            if self.on_failure is not None:
+                self.on_failure()
+            else:
+                log.error("loading %s failed: %s", self.options.model, self.error)
+
+    @property
+    def state(self) -> str:
+        if self.error is not None:
+            return "error"
+        if self.draining:
+            return "draining"
+        return "ready" if self.scheduler is not None else "loading"
+
+    def require_ready(self) -> None:
+        state = self.state
+        if state == "loading":
+            raise unavailable("the model is still loading", "model_loading", retry_after=5)
+        if state == "draining":
+            raise unavailable("the server is shutting down", "shutting_down")
+        if state == "error":
+            raise unavailable("the model failed to load", "model_load_failed")
+
+    def drain(self, grace: float) -> None:
+        """Refuse new requests; let running answers finish for up to `grace` seconds."""
+        self.draining = True
+        if self.scheduler is not None:
+            self.scheduler.shutdown(grace)
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], settings: GenerationSettings, n: int) -> Ticket:
+        try:
+            return self.scheduler.submit(prompt, settings, n)
+        except Overloaded as e:
+            raise unavailable(str(e), "overloaded", retry_after=1) from None
+        except ShuttingDown:
+            raise unavailable("the server is shutting down", "shutting_down") from None
+        except CloverError as e:
+            raise bad_request(str(e)) from None
+
+    def token_text(self, token: int) -> str:
+        """One token as text, for the commit animation (cached: the vocabulary is fixed)."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self.llm.tokenizer.decode([token])
+            self._token_text[token] = text
+        return text
+
+
+def engine_error(message: str) -> APIError:
+    """A scheduler error event as the client should see it: a refused request (the scheduler
+    checks a request's settings when it admits it), the drain, or a failed step (500, with
+    the details kept in the server's log)."""
+    if "shutting down" in message:
+        return unavailable("the server is shutting down", "shutting_down")
+    if message.startswith("decoding failed"):
+        log.error("%s", message)
+        return APIError(500, "generation failed", kind="server_error", code="engine_error")
+    return bad_request(message)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was complete."""
+
+
+async def ticket_events(
+    tickets: list[tuple[Ticket, int]],
+    deadline: float | None,
+    disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """Events of several tickets as they come; each ticket's choices are offset by its int.
+
+    Ends after every choice is done. Raises APIError past the deadline (504) or on a scheduler
+    error, and ClientGone when `disconnected` (checked every quarter second; the
+    streaming path learns it by being cancelled instead) says so. However it ends early, the
+    tickets are cancelled; callers close it with `contextlib.aclosing`.
+    """
+    pending = sum(t.n for t, _ in tickets)
+    next_check = time.monotonic() + DISCONNECT_CHECK_S
+    try:
+        while pending:
+            got = False
+            for ticket, offset in tickets:
+                try:
+                    event = ticket.events.get_nowait()
+                except queue.Empty:
+                    continue
+                got = True
+                if event["type"] == "error":
+                    raise engine_error(event["message"])
+                if event["type"] == "done":
+                    pending -= 1
+                yield {**event, "choice": event.get("choice", 0) + offset}
+            if got:
+                continue
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                raise APIError(504, "the request timed out", kind="timeout", code="timeout")
+            if disconnected is not None and now > next_check:
+                next_check = now + DISCONNECT_CHECK_S
+                if await disconnected():
+                    raise ClientGone
+            await asyncio.sleep(POLL_S)
+    finally:
+        if pending:
+            for ticket, _ in tickets:
+                ticket.cancel()
