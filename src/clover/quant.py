@@ -108,8 +108,7 @@ def quantize_model(model: nn.Module, mode: str = "int4", group: int = GROUP) -> 
             elif child.in_features % group == 0 and child.out_features % 16 == 0:
                 # the CPU kernel packs whole groups along K and 16-row tiles along N
                 setattr(module, name, Int4Linear(child, group))
-    head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
-    model.quantized_head = Int8Linear(head)
+    model.quantized_head = Int8Linear(model.head_weight())
     if hasattr(model, "lm_head"):
         del model.lm_head
     release_freed_memory()
@@ -144,7 +143,7 @@ def model_bytes(config: object, dtype: str) -> int:
         for name in ("gate_up", "down"):
             if isinstance(getattr(module, name, None), nn.Parameter) and hasattr(module, "router"):
                 quantizable.add(id(getattr(module, name)))
-    head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
+    head = model.head_weight()
     for p in model.parameters():
         n = p.numel()
         if dtype in per:

@@ -222,8 +222,7 @@ def generate(
     """
     if not prompts:
         return
-    _check(model, prompts, policy, max_new_tokens)
-    batch = BatchDecoder(model)
+    batch = BatchDecoder(model)  # `add` checks every prompt before the first step
     rows = [
         batch.add(
             p,

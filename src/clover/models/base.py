@@ -16,9 +16,11 @@ Without a cache, "causal"/"block" run on a fresh one (the uncached reference).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from clover.errors import CloverError
@@ -28,7 +30,27 @@ from clover.models.layout import StepLayout, cached_layout
 Mode = Literal["causal", "block", "train"]
 
 
+class ConfigMixin:
+    """What every architecture's config dataclass shares: built from a checkpoint's
+    config.json (unknown keys kept in `extra` for saving) and its EOS ids as a list."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> object:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        extra = {k: v for k, v in d.items() if k not in known and k != "architectures"}
+        return cls(**kwargs, extra=extra)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+
 class DiffusionLM(nn.Module):
+    """Architectures keep their embedding table at `model.embed_tokens` and, when untied,
+    their output projection at `lm_head`."""
+
     config: object  # the architecture's config dataclass
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
@@ -43,9 +65,16 @@ class DiffusionLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute state that checkpoints do not hold (called after loading)."""
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, D]: `lm_head`, or the embedding table when tied."""
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> float32 logits [..., V]."""
-        raise NotImplementedError
+        head = getattr(self, "quantized_head", None)  # set by clover.quant.quantize_model
+        if head is not None:
+            return head(hidden).float()
+        return F.linear(hidden, self.head_weight()).float()
 
     @property
     def context_length(self) -> int:

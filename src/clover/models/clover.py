@@ -14,14 +14,13 @@ fast, and the place to optimise once the trainer uses this architecture.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from clover.errors import CloverError
-from clover.models.base import DiffusionLM
+from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache
 from clover.models.gdn import GatedDeltaNet
 from clover.models.layers import ZeroRMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
@@ -33,7 +32,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass
-class CloverConfig:
+class CloverConfig(ConfigMixin):
     # Published for the 35B-A3B model (see shared/REFERENCE.md): layers, hidden, vocab, heads,
     # head dims, experts, top-k, shared width, context. Inferred from the Qwen3-Next-style
     # 35B-A3B family where unpublished: rope_theta, rms_norm_eps, conv kernel for all of
@@ -115,18 +114,6 @@ class CloverConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else [e] if isinstance(e, int) else list(e)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> CloverConfig:
-        known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known and k != "architectures"}
-        return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -310,17 +297,6 @@ class CloverModel(DiffusionLM):
                 clean_h.append(self(clean[start:][None], cache, "causal")[0])
             out.append(torch.cat(clean_h + noisy_h))
         return torch.stack(out)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = getattr(self, "quantized_head", None)
-        if head is not None:
-            return head(hidden).float()
-        w = (
-            self.model.embed_tokens.weight
-            if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        return F.linear(hidden, w).float()
 
 
 # --- checkpoint names -------------------------------------------------------------------------

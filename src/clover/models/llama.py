@@ -9,15 +9,14 @@ decides who attends to whom, and `mask_token_id` / `shifted` say how the block i
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from clover.errors import CloverError
-from clover.models.base import DiffusionLM
+from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache
 from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout
@@ -26,7 +25,7 @@ MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(ConfigMixin):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -96,21 +95,6 @@ class LlamaConfig:
         if self.default_decoder not in ("ar", "low_confidence"):
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates scaling
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        if isinstance(self.eos_token_id, int):
-            return [self.eos_token_id]
-        return list(self.eos_token_id)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LlamaConfig:
-        known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known and k != "architectures"}
-        return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -214,17 +198,6 @@ class LlamaModel(DiffusionLM):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, layout, None if caches is None else caches[i])
         return self.model.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = getattr(self, "quantized_head", None)  # set by clover.quant.quantize_model
-        if head is not None:
-            return head(hidden).float()
-        w = (
-            self.model.embed_tokens.weight
-            if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        return F.linear(hidden, w).float()
 
 
 # --- checkpoint names -------------------------------------------------------------------------
