@@ -102,7 +102,7 @@ class DiffusionLM(nn.Module):
         if mode == "train":
             if layout is None or cache is not None:
                 raise CloverError("mode 'train' takes a training layout and no cache")
-            return self.backbone(input_ids, layout, None)
+            return self._run(input_ids, layout, None)
         if mode not in ("causal", "block"):
             raise CloverError(f"unknown forward mode {mode!r}: causal, block or train")
         if cache is None:
@@ -119,9 +119,29 @@ class DiffusionLM(nn.Module):
                 raise CloverError("n_commit exceeds the number of valid tokens")
         cache.prepare(T, valid)
         step = cached_layout(commit, block, cache.lengths, T)
-        hidden = self.backbone(input_ids, step, cache.layers)
+        hidden = self._run(input_ids, step, cache.layers)
         cache.advance(commit)
         return hidden
+
+    def forward_over_prefix(
+        self, input_ids: torch.Tensor, cache: ModelCache, layout: StepLayout
+    ) -> torch.Tensor:
+        """input_ids [B, T] as block tokens over the cached prefix, under a layout from
+        `noisy_layout` (training's split form); nothing is committed. -> hidden [B, T, D]."""
+        cache.prepare(input_ids.shape[1])
+        return self._run(input_ids, layout, cache.layers)
+
+    def _run(
+        self, input_ids: torch.Tensor, layout: StepLayout, caches: list | None
+    ) -> torch.Tensor:
+        adapter = getattr(self, "draft_adapter", None)
+        if adapter is None:
+            return self.backbone(input_ids, layout, caches)
+        adapter.tokens.set(layout.block_tokens(), input_ids)
+        try:
+            return self.backbone(input_ids, layout, caches)
+        finally:
+            adapter.tokens.clear()
 
 
 def _per_row(value: torch.Tensor | int | None, default: int, batch: int) -> torch.Tensor:

@@ -36,6 +36,15 @@ class StepLayout:
     def num_tokens(self) -> int:
         return self.positions.shape[1]
 
+    def block_tokens(self) -> torch.Tensor:
+        """bool [B, T]: tokens of a block being denoised (what a draft adapter acts on)."""
+        T = self.num_tokens
+        t = torch.arange(T, device=self.positions.device)[None, :]
+        if self.train is not None:  # [clean | noisy]: the noisy copy
+            return (t >= self.train[1]).expand(self.positions.shape[0], T)
+        nc, nb = self.n_commit[:, None], self.n_block[:, None]
+        return (t >= nc) & (t < nc + nb)
+
 
 def cached_layout(
     n_commit: torch.Tensor, n_block: torch.Tensor, lengths: torch.Tensor, num_tokens: int
@@ -99,3 +108,42 @@ def training_layout(
     zeros = torch.zeros(B, dtype=torch.long, device=device)
     structure = (prompt_lens, clean_len, answer_len, block_size)
     return StepLayout(zeros, zeros, zeros, positions, mask[:, None], structure)
+
+
+def noisy_layout(
+    prompt_lens: torch.Tensor,
+    clean_len: int,
+    answer_len: int,
+    block_size: int,
+    answer_lens: torch.Tensor | None = None,
+    copies: int = 1,
+) -> StepLayout:
+    """Layout for the noisy answer copies alone, over a cache that holds the clean sequence.
+
+    The split form of `training_layout`: the clean [prompt + answer] (padded to clean_len) was
+    run causally into a cache first; this pass feeds `copies` noisy copies of the answer
+    ([B, copies * answer_len] tokens), each noisy token seeing the clean keys before its block
+    and the tokens of its own block in its own copy. Keys are cache slots [0, clean_len + T).
+    Every token is a block token (n_block = T), so nothing is committed to the cache.
+    """
+    B = prompt_lens.shape[0]
+    device = prompt_lens.device
+    T = copies * answer_len
+    i = torch.arange(T, device=device)
+    a, c = i % answer_len, i // answer_len  # answer index and copy of each noisy token
+    p = prompt_lens[:, None]
+    positions = p + a[None, :]  # [B, T]
+    block_start = p + (a // block_size * block_size)[None, :]  # [B, T]
+    S = clean_len + T
+    key = torch.arange(S, device=device)
+    clean_keys = key[None, None, :] < block_start[:, :, None]  # [B, T, S]
+    kn = (key - clean_len).clamp(min=0)
+    ka, kc = kn % answer_len, kn // answer_len
+    same = (ka[None, :] // block_size == a[:, None] // block_size) & (kc[None, :] == c[:, None])
+    noisy_keys = same[None] & (key >= clean_len)[None, None, :]  # [1, T, S]
+    if answer_lens is not None:
+        noisy_keys = noisy_keys & (ka[None, None, :] < answer_lens[:, None, None])
+    mask = torch.where(key[None, None, :] >= clean_len, noisy_keys, clean_keys)
+    lengths = torch.full((B,), clean_len, dtype=torch.long, device=device)
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
+    return StepLayout(zeros, torch.full_like(zeros, T), lengths, positions, mask[:, None])

@@ -1,0 +1,223 @@
+"""Draft adapters: low-rank weight deltas that act only on the tokens of the block.
+
+A block-diffusion model needs two skills: predicting masked positions in parallel (the block
+pass) and predicting the next token (the causal pass that commits a block, verifies a draft and
+builds the prefix cache). An AR checkpoint already has the second. A draft adapter adds the
+first without touching it: every adapted projection computes `W x` for all tokens and adds
+`scale * B A x` only for tokens of the block being denoised. So
+
+- the committed path (prefill, AR steps, commit passes, the prefix cache) is bit-identical to
+  the base model, and `self_spec` with an adapter returns exactly the base model's AR answer;
+- training never back-propagates through the clean sequence: its pass runs once without
+  gradients and the noisy copy reads its cache (`clover.train.adapt`);
+- the file is small (rank r on each projection), so the repo ships it beside a base GGUF.
+
+The [MASK] input gets its own learned vector, again only at block positions (initialised to the
+base embedding of `mask_token_id`: the stated init). `layers` limits the adapter to some layers
+(the "partial" recipe); rank and targets are in the config saved with the weights.
+
+Which tokens are block tokens is set per forward by the model (`DiffusionLM.forward`) into the
+shared `BlockTokens` the adapted modules read: a flat index into [B * T].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from clover.errors import CloverError
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class AdapterConfig:
+    rank: int = 32
+    alpha: float = 32.0  # the delta is scaled by alpha / rank
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    layers: list[int] | None = None  # None: every layer
+    mask_embedding: bool = True  # a learned [MASK] input vector
+    info: dict = field(default_factory=dict)  # provenance: base model, training summary
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise CloverError(f"adapter rank must be a positive integer, got {self.rank!r}")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or not self.targets:
+            raise CloverError(f"adapter targets {unknown or '[]'}: choose from {TARGETS}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class BlockTokens:
+    """Shared by the adapted modules of one model: index [N] of block tokens in the flattened
+    [B * T] input of the current forward, or None (no block tokens: the adapter is idle)."""
+
+    def __init__(self) -> None:
+        self.index: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None  # input_ids [B, T] of the current forward
+
+    def set(self, block: torch.Tensor | None, ids: torch.Tensor) -> None:
+        """block: bool [B, T] (True = token of a block being denoised)."""
+        if block is None or not bool(block.any()):
+            self.index, self.ids = None, None
+            return
+        self.index = block.reshape(-1).nonzero().squeeze(1)
+        self.ids = ids
+
+    def clear(self) -> None:
+        self.index, self.ids = None, None
+
+
+class LoRALinear(nn.Module):
+    """base(x) + scale * (x A^T) B^T on block tokens only. x [..., K] -> [..., N]."""
+
+    def __init__(self, base: nn.Module, rank: int, scale: float, tokens: BlockTokens) -> None:
+        super().__init__()
+        self.base = base
+        K, N = base.in_features, base.out_features
+        self.in_features, self.out_features = K, N
+        dtype = base.weight.dtype if isinstance(base, nn.Linear) else torch.float32
+        self.lora_a = nn.Parameter(torch.empty(rank, K, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.zeros(N, rank, dtype=dtype))  # 0: starts as the base
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.scale = scale
+        self.tokens = tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        idx = self.tokens.index
+        if idx is None:
+            return y
+        xs = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_a.dtype)
+        delta = (xs @ self.lora_a.t()) @ self.lora_b.t() * self.scale
+        flat = y.reshape(-1, self.out_features).index_add(0, idx, delta.to(y.dtype))
+        return flat.reshape(y.shape)
+
+
+class DraftAdapter(nn.Module):
+    """The adapter's own parameters (held by the LoRALinear modules it installs) + the
+    [MASK] vector; attached to a model as `model.draft_adapter`."""
+
+    def __init__(self, model: nn.Module, config: AdapterConfig, mask_token_id: int) -> None:
+        super().__init__()
+        self.config = config
+        self.tokens = BlockTokens()
+        self.mask_token_id = mask_token_id
+        layers = model.model.layers
+        chosen = range(len(layers)) if config.layers is None else config.layers
+        for i in chosen:
+            if not 0 <= i < len(layers):
+                raise CloverError(f"adapter layer {i} outside the model's {len(layers)} layers")
+            for module in layers[i].modules():
+                for name, child in list(module.named_children()):
+                    if name in config.targets and not isinstance(child, LoRALinear):
+                        setattr(module, name, LoRALinear(child, config.rank, config.scale,
+                                                         self.tokens))  # fmt: skip
+        embed = model.model.embed_tokens
+        self.mask_vector = None
+        if config.mask_embedding:
+            self.mask_vector = nn.Parameter(embed.weight[mask_token_id].detach().float().clone())
+        self._hook = embed.register_forward_hook(self._embed_hook)
+
+    def _embed_hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        # out [B, T, D]: the [MASK] inputs of block tokens get the learned vector
+        if self.mask_vector is None or self.tokens.index is None:
+            return out
+        ids = self.tokens.ids.reshape(-1)
+        sel = torch.zeros_like(ids, dtype=torch.bool)
+        sel[self.tokens.index] = True
+        sel &= ids == self.mask_token_id
+        flat = out.reshape(-1, out.shape[-1])
+        flat = torch.where(sel[:, None], self.mask_vector.to(out.dtype), flat)
+        return flat.reshape(out.shape)
+
+
+def attach_adapter(model: nn.Module, config: AdapterConfig) -> DraftAdapter:
+    """Install a fresh (identity) adapter on a llama-family model; returns it."""
+    if getattr(model, "draft_adapter", None) is not None:
+        raise CloverError("the model already has a draft adapter")
+    if not hasattr(model.model, "layers") or not hasattr(model.model, "embed_tokens"):
+        raise CloverError("draft adapters need a model with model.layers and embed_tokens")
+    mask_id = model.config.mask_token_id
+    if mask_id is None:
+        raise CloverError("a draft adapter needs the model's mask_token_id")
+    adapter = DraftAdapter(model, config, mask_id)
+    model.draft_adapter = adapter
+    return adapter
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, named as in the model (`...q_proj.lora_a`, `mask_vector`)."""
+    out = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    adapter = model.draft_adapter
+    if adapter.mask_vector is not None:
+        out["mask_vector"] = adapter.mask_vector
+    return out
+
+
+def save_adapter(model: nn.Module, path: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the adapter as one safetensors file (config in its metadata), atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in adapter_state(model).items()}
+    meta = {"format": "pt", "clover_adapter": json.dumps(asdict(model.draft_adapter.config))}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_adapter_config(path: Path) -> AdapterConfig:
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
+                raise ValueError("no safetensors header")
+            header = json.loads(fh.read(n))
+        d = json.loads(header["__metadata__"]["clover_adapter"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CloverError(f"{path} is not a Clover adapter file: {e}") from None
+    return AdapterConfig(**d)
+
+
+def load_adapter(model: nn.Module, path: Path) -> DraftAdapter:
+    """Attach the adapter stored at `path` to `model` (weights in the model's float dtype)."""
+    from clover.weights import read_safetensors
+
+    config = read_adapter_config(path)
+    adapter = attach_adapter(model, config)
+    state = read_safetensors([Path(path)])
+    own = adapter_state(model)
+    if set(state) != set(own):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise CloverError(f"{path}: adapter does not fit the model (missing {missing[:3]}, "
+                          f"unexpected {extra[:3]})")  # fmt: skip
+    with torch.no_grad():
+        for name, param in own.items():
+            if tuple(state[name].shape) != tuple(param.shape):
+                raise CloverError(f"{path}: {name} has shape {tuple(state[name].shape)}, "
+                                  f"the model needs {tuple(param.shape)}")  # fmt: skip
+            param.copy_(state[name].to(param.dtype))
+    return adapter
+
+
+def adapter_params(model: nn.Module) -> int:
+    return sum(t.numel() for t in adapter_state(model).values())
