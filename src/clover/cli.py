@@ -1,4 +1,5 @@
-"""`clover <command>`: generate, chat, info, pull. A thin dispatcher over `clover.engine`.
+"""`clover <command>`: generate, chat, info, pull, ..., bench. A thin dispatcher over
+`clover.engine` (and `clover.bench.cli` for the benchmarks).
 
 Errors a user can fix print one line (`error: ...`) and exit 1; no tracebacks.
 """
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     _serve_args(s)
     s.set_defaults(func=cmd_serve)
+    from clover.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

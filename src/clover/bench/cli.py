@@ -1,0 +1,341 @@
+"""`clover bench speed | quality | plot | gpu`: argument parsing, model loading, results files.
+
+The harnesses (`speed.run_speed`, `quality.run_quality`, `gpu.time_passes`) take loaded models
+and return dicts; this file loads what the flags name, adds the machine/settings/date/command
+record, writes `benchmarks/results/bench-<kind>-<model>[-quick].json` and draws the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from clover.bench.common import (
+    command_line,
+    machine,
+    model_label,
+    now,
+    parse_configs,
+    write_results,
+)
+from clover.errors import CloverError
+
+RESULTS = Path("benchmarks") / "results"
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _out_path(a: argparse.Namespace, kind: str) -> Path:
+    if a.out:
+        return Path(a.out)
+    return RESULTS / f"bench-{kind}-{model_label(a.model)}{'-quick' if a.quick else ''}.json"
+
+
+def _plot(fn_name: str, *args: object) -> list[str]:
+    try:
+        from clover.bench import plots
+    except ImportError:
+        _log("plots skipped: matplotlib is not installed (`pip install 'clover[bench]'`)")
+        return []
+    return [str(p) for p in getattr(plots, fn_name)(*args)]
+
+
+# --- speed ---------------------------------------------------------------------------------------
+
+
+def cmd_speed(a: argparse.Namespace) -> int:
+    import torch
+
+    from clover.bench.speed import (
+        DEFAULT_CONFIGS,
+        LLAMACPP_MISSING,
+        PROMPTS,
+        CloverEngine,
+        LlamaCppEngine,
+        TransformersEngine,
+        add_ratios,
+        gguf_precision,
+        llamacpp_available,
+        probe_rss,
+        run_speed,
+    )
+    from clover.engine import LLM
+
+    if a.quick:
+        a.tokens, a.reps, a.prompts = a.tokens or 32, a.reps or 1, a.prompts or 1
+        a.dtypes = a.dtypes or "auto"
+    tokens, reps, n_prompts = a.tokens or 128, a.reps or 3, a.prompts or len(PROMPTS)
+    configs = parse_configs(a.configs or DEFAULT_CONFIGS)
+    batches = sorted({int(b) for b in a.batch.split(",")})
+    peers = {p.strip() for p in a.peers.split(",") if p.strip()}
+    notes: list[str] = []
+    llms: dict[str, object] = {}
+    for dt in (a.dtypes or "auto,float32").split(","):
+        llm = LLM(a.model, dtype=dt.strip(), progress=False)
+        llms.setdefault(llm.dtype, llm)  # `auto` may resolve to float32 itself
+    first = next(iter(llms.values()))
+    prompts = [first.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS[:n_prompts]]
+    engines: list[object] = [CloverEngine(llm, c) for llm in llms.values() for c in configs]
+    gguf = first.resolved.path if first.resolved and first.resolved.kind == "gguf" else None
+    if peers and gguf is None:
+        notes.append("peers skipped: they load a GGUF file and this model is not one")
+    pad_id = first.tokenizer.pad_token_id
+    pad_id = first.eos_token_ids[0] if pad_id is None else pad_id
+    if gguf is not None and "transformers" in peers:
+        engines.append(TransformersEngine(gguf, pad_id))
+    gguf_type = gguf_precision(gguf) if gguf is not None else None
+    if gguf is not None and "llama.cpp" in peers:
+        if llamacpp_available():
+            engines.append(LlamaCppEngine(gguf, gguf_type, torch.get_num_threads()))
+        else:
+            notes.append(LLAMACPP_MISSING)
+            _log(LLAMACPP_MISSING)
+    if any(b > 1 for b in batches) and any(e.engine == "llama.cpp" for e in engines):
+        notes.append("llama.cpp runs batch 1 only: llama-cpp-python's Llama has no batching")
+    _log(f"{len(engines)} rows x {len(prompts)} prompts x {reps} reps, batches {batches}")
+    rows = run_speed(engines, prompts, tokens=tokens, reps=reps, batches=batches, log=_log)
+    add_ratios(rows)
+    rss: dict[str, float | None] = {}
+    if not a.no_rss:
+        base = dict(model=a.model, prompts=prompts, tokens=tokens, batch=max(batches))
+        base.update(threads=torch.get_num_threads(), gguf=str(gguf), pad_id=pad_id)
+        specs = {"baseline (python + torch + transformers, no model)": dict(engine="none")}
+        for dt in llms:
+            specs[f"clover {dt}"] = dict(
+                engine="clover", dtype=dt, configs=[c.name for c in configs]
+            )
+        for e in engines:
+            if e.engine != "clover":
+                specs[e.name] = dict(engine=e.engine, precision=e.precision)
+        for name, spec in specs.items():
+            _log(f"peak RSS probe: {name}")
+            rss[name] = probe_rss({**base, **spec})
+        for name, row in rows.items():
+            key = f"clover {row['precision']}" if row["engine"] == "clover" else name
+            row["peak_rss_mb"] = rss.get(key)
+    report = {
+        "benchmark": "clover bench speed",
+        "quick": bool(a.quick),
+        "date": now(),
+        "command": command_line(),
+        "machine": machine(),
+        "model": a.model,
+        "settings": {
+            "configs": [c.name for c in configs],
+            "precisions": {
+                "clover": list(llms),
+                "transformers": "float32 (the GGUF dequantized by transformers)",
+                "llama.cpp": f"{gguf_type} (the GGUF as it is)" if gguf_type else None,
+            },
+            "tokens_per_row": tokens,
+            "reps": reps,
+            "prompts": PROMPTS[:n_prompts],
+            "prompt_tokens": [len(p) for p in prompts],
+            "batches": batches,
+            "greedy": True,
+            "eos": "ignored on every engine: exactly tokens_per_row output tokens per row",
+            "tokens_per_s": "output tokens only / wall time of the call (prefill included)",
+            "peak_rss": "ru_maxrss of a fresh child process per engine and precision that "
+            "loads it alone and runs all its configs once at the largest batch",
+        },
+        "notes": notes,
+        "peak_rss_mb": rss,
+        "rows": rows,
+    }
+    out = write_results(report, _out_path(a, "speed"))
+    _log(f"wrote {out}")
+    print(format_speed(report))
+    if not a.no_plot:
+        for p in _plot("plot_speed", report, out.with_suffix(".png")):
+            _log(f"wrote {p}")
+    return 0
+
+
+def format_speed(report: dict) -> str:
+    head = f"{'row':<40} {'batch':>5} {'tok/s (min-max)':>22} {'TPF':>6} {'TTFT s':>7}"
+    lines = [head + f" {'RSS MB':>7}"]
+    for name, row in report["rows"].items():
+        for b, s in row["batch"].items():
+            if not s:
+                continue
+            t = s["tokens_per_s"]
+            rng = f"{t['median']} ({t['min']}-{t['max']})"
+            rss = row.get("peak_rss_mb")
+            lines.append(
+                f"{name:<40} {b:>5} {rng:>22} {s['tpf']:>6} {s['ttft_s']['median']:>7} "
+                f"{rss if rss is not None else '-':>7}"
+            )
+    return "\n".join(lines + [f"note: {n}" for n in report["notes"]])
+
+
+# --- quality -------------------------------------------------------------------------------------
+
+
+def cmd_quality(a: argparse.Namespace) -> int:
+    from clover.bench.quality import load_suite, run_quality
+    from clover.engine import LLM
+
+    if a.quick:
+        a.limit = a.limit or 12
+    configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4")
+    items = load_suite(a.suite, limit=a.limit)
+    llm = LLM(a.model, dtype=a.dtype, progress=False)
+    reference = None
+    if a.reference != "none":
+        same = a.reference == a.model and a.reference_dtype == llm.dtype
+        reference = llm if same else LLM(a.reference, dtype=a.reference_dtype, progress=False)
+    _log(f"{len(items)} items x {len(configs)} settings on {llm.name} ({llm.dtype})")
+    result = run_quality(
+        llm,
+        configs,
+        items,
+        max_tokens=a.max_tokens,
+        batch_size=a.batch_size,
+        reference=reference,
+        code_timeout=a.code_timeout,
+        code_memory_mb=a.code_memory_mb,
+        log=_log,
+    )
+    report = {
+        "benchmark": "clover bench quality",
+        "quick": bool(a.quick),
+        "date": now(),
+        "command": command_line(),
+        "machine": machine(),
+        "model": a.model,
+        "dtype": llm.dtype,
+        "suite": str(a.suite or "benchmarks/suites/quality.jsonl"),
+        **result,
+    }
+    out = write_results(report, _out_path(a, "quality"))
+    _log(f"wrote {out}")
+    print(format_quality(report))
+    if not a.no_plot:
+        for p in _plot("plot_quality", report, out.with_suffix("")):
+            _log(f"wrote {p}")
+    return 0
+
+
+def format_quality(report: dict) -> str:
+    head = f"{'setting':<26} {'code':>5} {'math':>5} {'fact':>5} {'all':>5} {'=ar':>5} "
+    lines = [head + f"{'NLL':>6} {'rep':>6} {'TPF':>6} {'tok/s':>7}"]
+    for name, s in report["summary"].items():
+        acc = s["accuracy"]
+
+        def f(v: object, width: int = 5) -> str:
+            return f"{v:>{width}.2f}" if isinstance(v, float) else f"{'-':>{width}}"
+
+        lines.append(
+            f"{name:<26} {f(acc.get('code'))} {f(acc.get('math'))} {f(acc.get('fact'))} "
+            f"{f(acc.get('all_checked'))} {f(s['agreement_with_ar'])} "
+            f"{f(s['fluency_nll']['open'], 6)} {f(s['repetition']['open'], 6)} "
+            f"{f(s['tpf'], 6)} {f(s['tokens_per_s'], 7)}"
+        )
+    return "\n".join(lines)
+
+
+# --- plot / gpu ----------------------------------------------------------------------------------
+
+
+def cmd_plot(a: argparse.Namespace) -> int:
+    import json
+
+    written: list[str] = []
+    for path in a.results:
+        report = json.loads(Path(path).read_text())
+        kind = report.get("benchmark", "")
+        if kind.endswith("speed"):
+            written += _plot("plot_speed", report, Path(path).with_suffix(".png"))
+        elif kind.endswith("quality"):
+            written += _plot("plot_quality", report, Path(path).with_suffix(""))
+        else:
+            raise CloverError(f"{path}: not a `clover bench` speed or quality results file")
+    for p in written:
+        print(p)
+    return 0
+
+
+def cmd_gpu(a: argparse.Namespace) -> int:
+    from clover.bench.gpu import format_gpu, time_passes
+
+    report = time_passes(
+        preset=a.preset,
+        device=a.device,
+        lengths=[int(x) for x in a.lengths.split(",")] if a.lengths else None,
+        batches=[int(x) for x in a.batch.split(",")],
+        block=a.block,
+        reps=a.reps,
+        tpf=a.tpf,
+        log=_log,
+    )
+    report.update(benchmark="clover bench gpu", date=now(), command=command_line())
+    report["machine"] = machine()
+    out = Path(a.out) if a.out else RESULTS / f"bench-gpu-{a.preset}-{report['device']}.json"
+    write_results(report, out)
+    _log(f"wrote {out}")
+    print(format_gpu(report))
+    return 0
+
+
+# --- parser --------------------------------------------------------------------------------------
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from clover.engine import DEFAULT_MODEL
+
+    bench = sub.add_parser("bench", help="speed and quality benchmarks (results + plots)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    s = kinds.add_parser("speed", help="tokens/s, NFE, TPF, TTFT, RSS: ours vs peers")
+    s.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
+    s.add_argument("--configs", "--decoders", help="comma list (default: ar, low_confidence "
+                   "8/16/32 x 0.9/0.95, self_spec 4/8)")  # fmt: skip
+    s.add_argument("--dtypes", help="our precisions, comma list (default auto,float32)")
+    s.add_argument("--peers", default="transformers,llama.cpp", help="'' for none")
+    s.add_argument("--tokens", type=int, help="output tokens per row (128; quick 32)")
+    s.add_argument("--reps", type=int, help="repetitions (3; quick 1)")
+    s.add_argument("--prompts", type=int, help="how many of the built-in prompts (4; quick 1)")
+    s.add_argument("--batch", default="1,8", help="batch sizes, comma list (1,8)")
+    s.add_argument("--out", help="results JSON (default benchmarks/results/bench-speed-*.json)")
+    s.add_argument("--quick", action="store_true", help="a smoke run: short, our default dtype")
+    s.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
+    s.add_argument("--no-plot", action="store_true")
+    s.set_defaults(func=cmd_speed)
+
+    q = kinds.add_parser("quality", help="the project's suite: accuracy, agreement, fluency")
+    q.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8",
+                   "int4"])  # fmt: skip
+    q.add_argument("--configs", "--decoders",
+                   help="comma list (default ar,low_confidence:32:0.95,self_spec:4)")  # fmt: skip
+    q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
+    q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 12)")
+    q.add_argument("--max-tokens", type=int, default=128)
+    q.add_argument("--batch-size", type=int, default=8, help="items decoded together (8)")
+    q.add_argument("--reference", default=DEFAULT_MODEL,
+                   help="AR model that scores fluency ('none': skip)")  # fmt: skip
+    q.add_argument("--reference-dtype", default="float32")
+    q.add_argument("--code-timeout", type=float, default=5.0, help="seconds per code check")
+    q.add_argument("--code-memory-mb", type=int, default=256, help="address space per check")
+    q.add_argument("--out", help="results JSON (default benchmarks/results/bench-quality-*.json)")
+    q.add_argument("--quick", action="store_true", help="a smoke run (--limit 12)")
+    q.add_argument("--no-plot", action="store_true")
+    q.set_defaults(func=cmd_quality)
+
+    p = kinds.add_parser("plot", help="PNGs from bench results files")
+    p.add_argument("results", nargs="+", help="bench-speed-*.json / bench-quality-*.json")
+    p.set_defaults(func=cmd_plot)
+
+    g = kinds.add_parser("gpu", help="time one block pass and one commit pass at a model shape")
+    g.add_argument("--preset", default="clover-35b-a3b", help="clover-35b-a3b or clover-tiny")
+    g.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cpu")
+    g.add_argument("--lengths", help="prompt lengths (default 1024,8192,32768; tiny 64,256)")
+    g.add_argument("--batch", default="1,8")
+    g.add_argument("--block", type=int, default=32, help="block positions (32)")
+    g.add_argument("--reps", type=int, default=5)
+    g.add_argument("--tpf", type=float, action="append", help="TPF for the tokens/s bound")
+    g.add_argument("--out", help="results JSON")
+    g.set_defaults(func=cmd_gpu)

@@ -1,0 +1,150 @@
+"""What both harnesses share: decoder configs as strings, the machine record, statistics,
+results files.
+
+A config string is `decoder[:block[:threshold]]`: `ar`, `low_confidence:32:0.95`,
+`self_spec:4`. It is what the CLI takes and what the results files use as row names, so a
+row in a JSON file can be pasted back onto the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from clover.errors import CloverError
+
+DECODERS = ("ar", "low_confidence", "self_spec")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    decoder: str = "ar"
+    block_size: int = 1
+    threshold: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.decoder not in DECODERS:
+            raise CloverError(f"decoder {self.decoder!r}: choose one of {', '.join(DECODERS)}")
+        if self.decoder == "ar" and self.block_size != 1:
+            raise CloverError("ar has no block size")
+
+    @classmethod
+    def parse(cls, text: str) -> DecoderConfig:
+        parts = text.strip().split(":")
+        try:
+            if parts[0] == "ar" and len(parts) == 1:
+                return cls()
+            if parts[0] == "low_confidence" and len(parts) in (2, 3):
+                threshold = float(parts[2]) if len(parts) == 3 else 0.95
+                return cls("low_confidence", int(parts[1]), threshold)
+            if parts[0] == "self_spec" and len(parts) == 2:
+                return cls("self_spec", int(parts[1]))
+        except ValueError:
+            pass
+        raise CloverError(
+            f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD] or self_spec:BLOCK"
+        )
+
+    @property
+    def name(self) -> str:
+        if self.decoder == "ar":
+            return "ar"
+        if self.decoder == "self_spec":
+            return f"self_spec:{self.block_size}"
+        return f"low_confidence:{self.block_size}:{self.threshold:g}"
+
+    def settings(self, max_tokens: int) -> object:
+        from clover.engine import GenerationSettings
+
+        return GenerationSettings(
+            decoder=self.decoder,
+            block_size=self.block_size,
+            threshold=self.threshold,
+            max_tokens=max_tokens,
+        )
+
+    def policy(self) -> object:
+        from clover.decoding.policies import make_policy
+
+        return make_policy(self.decoder, self.block_size, self.threshold)
+
+
+def parse_configs(text: str | list[str]) -> list[DecoderConfig]:
+    """A comma list or a list of config strings -> configs (duplicates dropped, in order)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    configs = [DecoderConfig.parse(t) for t in items if t.strip()]
+    if not configs:
+        raise CloverError("no decoder configs given")
+    return list(dict.fromkeys(configs))
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def spread(values: list[float], digits: int = 2) -> dict:
+    """median, min, max and count of repeated measurements."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+        "n": len(values),
+    }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    prog = Path(sys.argv[0]).name
+    return shlex.join([prog if prog == "clover" else sys.argv[0], *sys.argv[1:]])
+
+
+def model_label(model: str) -> str:
+    """A file-name-safe label for a model name or path."""
+    import re
+
+    stem = Path(model).name if ("/" in model or model.endswith(".gguf")) else model
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem.removesuffix(".gguf"))
+
+
+def write_results(report: dict, out: str | Path) -> Path:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(path)
+    return path

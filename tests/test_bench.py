@@ -1,0 +1,250 @@
+"""`clover bench`: harnesses on tiny random models, the code sandbox, answer scoring, suite."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from clover import LLM
+from clover.bench.common import DecoderConfig, parse_configs
+from clover.bench.quality import (
+    KINDS,
+    extract_number,
+    load_suite,
+    repetition_rate,
+    run_quality,
+    score_answer,
+)
+from clover.bench.sandbox import extract_code, run_python_checks
+from clover.bench.speed import (
+    CloverEngine,
+    LlamaCppEngine,
+    TransformersEngine,
+    add_ratios,
+    run_speed,
+)
+from clover.cli import main
+from clover.errors import CloverError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint), dtype="float32", progress=False)
+
+
+# --- suite and scoring ---------------------------------------------------------------------------
+
+
+def test_suite_file_has_150_items_in_four_kinds():
+    items = load_suite()
+    assert len(items) >= 150
+    counts = {k: sum(i["kind"] == k for i in items) for k in KINDS}
+    assert all(n >= 20 for n in counts.values()), counts
+    assert len({i["id"] for i in items}) == len(items)
+    for it in items:
+        if it["kind"] == "code":
+            assert it["entry"] in it["prompt"] and "assert" in it["tests"]
+        elif it["kind"] == "math":
+            assert isinstance(it["answer"], int | float)
+        elif it["kind"] == "fact":
+            assert it.get("accept") or it.get("regex")
+            if it.get("regex"):
+                re.compile(it["regex"])
+    short = load_suite(limit=8)  # kinds in turn
+    assert [i["kind"] for i in short] == list(KINDS) * 2
+
+
+def test_extract_number():
+    assert extract_number("12") == 12
+    assert extract_number("The answer is 12.") == 12
+    assert extract_number("7 + 5 = 12") == 12
+    assert extract_number("There are 1,000 grams in a kilogram.") == 1000
+    assert extract_number("It is -3 degrees") == -3
+    assert extract_number("3.50 dollars") == 3.5
+    assert extract_number("5 apples and 3 more: the answer is 8 apples") == 8
+    assert extract_number("no digits here") is None
+
+
+def test_repetition_rate():
+    assert repetition_rate("") == 0.0
+    assert repetition_rate("one two three four five six") == 0.0
+    loop = "the cat sat down " * 5  # 20 words, 17 four-grams, 4 distinct
+    assert repetition_rate(loop) == pytest.approx(1 - 4 / 17)
+
+
+def test_score_math_and_fact():
+    math_item = {"kind": "math", "answer": 24}
+    assert score_answer(math_item, "4 boxes x 6 = 24 eggs")[0] is True
+    assert score_answer(math_item, "25")[0] is False
+    fact = {"kind": "fact", "accept": ["paris"]}
+    assert score_answer(fact, "The capital is Paris.")[0] is True
+    assert score_answer({"kind": "fact", "regex": r"\b(8|eight)\b"}, "Eight legs")[0] is True
+    assert score_answer({"kind": "open"}, "anything")[0] is None
+
+
+# --- the code sandbox ----------------------------------------------------------------------------
+
+
+def test_sandbox_pass_fail_timeout_memory():
+    code = "def largest(xs):\n    return max(xs)\n"
+    assert run_python_checks(code, "assert largest([1, 5, 3]) == 5").reason == "passed"
+    failed = run_python_checks(code, "assert largest([1, 5, 3]) == 1")
+    assert not failed.passed and failed.reason == "failed"
+    slow = run_python_checks("while True:\n    pass\n", "", timeout=1.0)
+    assert not slow.passed and slow.reason == "timeout"
+    big = run_python_checks("x = bytearray(512 * 1024 * 1024)\n", "", memory_mb=128)
+    assert not big.passed and big.reason == "memory"
+    assert run_python_checks("", "assert True").reason == "no code"
+    assert run_python_checks("def f(:\n", "").reason == "error"
+
+
+def test_extract_code():
+    answer = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
+    assert extract_code(answer).strip() == "def add(a, b):\n    return a + b"
+    assert extract_code("Sure.\ndef f():\n    return 1").startswith("def f()")
+    assert extract_code("no code at all") == ""
+    item = {"kind": "code", "entry": "add", "tests": "assert add(2, 3) == 5"}
+    assert score_answer(item, answer) == (True, "passed")
+
+
+def test_configs_parse_and_round_trip():
+    configs = parse_configs("ar,low_confidence:32:0.95,self_spec:4,low_confidence:8")
+    assert [c.name for c in configs] == [
+        "ar",
+        "low_confidence:32:0.95",
+        "self_spec:4",
+        "low_confidence:8:0.95",
+    ]
+    assert all(DecoderConfig.parse(c.name) == c for c in configs)
+    for bad in ("beam:4", "low_confidence", "self_spec:x", "ar:4"):
+        with pytest.raises(CloverError):
+            DecoderConfig.parse(bad)
+
+
+# --- harnesses on a tiny model -------------------------------------------------------------------
+
+ITEMS = [
+    {"id": "c1", "kind": "code", "prompt": "Write add(a, b).", "entry": "add",
+     "tests": "assert add(1, 2) == 3"},
+    {"id": "m1", "kind": "math", "prompt": "What is 2 + 2?", "answer": 4},
+    {"id": "f1", "kind": "fact", "prompt": "Capital of France?", "accept": ["paris"]},
+    {"id": "o1", "kind": "open", "prompt": "Say something."},
+    {"id": "o2", "kind": "open", "prompt": "Say something else, at length."},
+]  # fmt: skip
+
+
+def test_run_quality_on_tiny_model(llm):
+    configs = parse_configs("low_confidence:4:0.9,self_spec:2")
+    out = run_quality(llm, configs, ITEMS, max_tokens=6, batch_size=2, reference=llm)
+    assert out["settings"]["configs"] == ["ar", "low_confidence:4:0.9", "self_spec:2"]
+    ar = out["summary"]["ar"]
+    assert ar["agreement_with_ar"] == 1.0 and ar["tpf"] <= 1.0
+    # self_spec is AR-exact in float32, batched or not
+    assert out["summary"]["self_spec:2"]["agreement_with_ar"] == 1.0
+    for s in out["summary"].values():
+        assert set(s["accuracy"]) == {"code", "math", "fact", "all_checked"}
+        assert s["fluency_nll"]["open"] > 0 and 0 <= s["repetition"]["all"] <= 1
+        assert s["output_tokens"] > 0 and s["tokens_per_s"] > 0
+    item = out["items"][3]
+    assert item["id"] == "o1" and set(item["outputs"]) == set(out["summary"])
+    trace = out["traces"]["low_confidence:4:0.9"]
+    assert trace["item"] == "o1" and len(trace["pieces"]) == len(trace["steps"])
+
+
+def test_run_speed_on_tiny_model(llm):
+    engines = [CloverEngine(llm, c) for c in parse_configs("ar,low_confidence:4:0.9")]
+    prompts = [llm.encode("hello there"), llm.encode("the quick brown fox jumps")]
+    rows = run_speed(engines, prompts, tokens=6, reps=2, batches=[1, 2])
+    add_ratios(rows)
+    ar = rows["clover ar float32"]["batch"]
+    assert ar["1"]["tokens_per_s"]["n"] == 4 and ar["2"]["tokens_per_s"]["n"] == 2
+    assert ar["1"]["tpf"] <= 1.0 and ar["1"]["vs_our_ar"] == 1.0
+    lc = rows["clover low_confidence:4:0.9 float32"]["batch"]["2"]
+    assert lc["nfe_per_row"] >= 2 and lc["ttft_s"]["median"] > 0
+
+
+def test_transformers_engine_left_pads_a_batch():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    engine = TransformersEngine.__new__(TransformersEngine)  # skip the GGUF loading
+    engine.model, engine.pad_id = LlamaForCausalLM(cfg).eval(), 0
+    r = engine.run([[5, 6, 7], [8]], 4)
+    assert r.rows == 2 and [len(t) for t in r.token_ids] == [4, 4]
+    alone = engine.run([[8]], 4)
+    assert alone.token_ids[0] == r.token_ids[1]  # padding does not change the short row
+    assert 0 < r.ttft <= r.seconds
+
+
+def test_llamacpp_engine_glue(monkeypatch):
+    calls = {}
+
+    class FakeLlama:
+        def __init__(self, **kw):
+            calls["init"] = kw
+
+        def reset(self):
+            calls["reset"] = True
+
+        def generate(self, tokens, **kw):
+            calls["generate"] = (list(tokens), kw)
+            yield from range(100, 200)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    e = LlamaCppEngine("model.gguf", "Q4_1", threads=2)
+    r = e.run([[1, 2, 3]], 5)
+    assert r.token_ids == [[100, 101, 102, 103, 104]] and r.nfe_per_row == 5
+    assert calls["reset"] and calls["generate"][1]["temp"] == 0.0
+    assert calls["init"]["n_threads"] == 2 and e.name == "llama.cpp Q4_1"
+    with pytest.raises(CloverError, match="one sequence"):
+        e.run([[1], [2]], 5)
+
+
+def test_gpu_script_runs_on_cpu_at_tiny_shape():
+    from clover.bench.gpu import time_passes
+
+    report = time_passes("clover-tiny", "cpu", lengths=[16], batches=[1, 2], block=4, reps=1)
+    assert [(r["length"], r["batch"]) for r in report["results"]] == [(16, 1), (16, 2)]
+    r = report["results"][1]
+    assert r["block_pass_ms"]["median"] > 0 and r["commit_pass_ms"]["median"] > 0
+    assert set(r["block_tokens_per_s_bound"]) == {"tpf_1", "tpf_2", "tpf_2.55", "tpf_4"}
+    with pytest.raises(CloverError, match="GPU"):
+        time_passes("clover-35b-a3b", "cpu")
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+
+
+def test_cli_quality_speed_plot(tiny_checkpoint, tmp_path, capsys):
+    q = tmp_path / "q.json"
+    rc = main(["bench", "quality", "-m", str(tiny_checkpoint), "--limit", "4", "--max-tokens",
+               "4", "--configs", "ar,low_confidence:4:0.9", "--reference", "none",
+               "--dtype", "float32", "--out", str(q)])  # fmt: skip
+    assert rc == 0
+    report = json.loads(q.read_text())
+    assert report["command"] and report["machine"]["cores"] and len(report["items"]) == 4
+    assert (tmp_path / "q-frontier.png").stat().st_size > 0
+    assert (tmp_path / "q-trace.png").stat().st_size > 0
+    s = tmp_path / "s.json"
+    rc = main(["bench", "speed", "-m", str(tiny_checkpoint), "--configs", "ar,self_spec:2",
+               "--dtypes", "float32", "--tokens", "4", "--reps", "1", "--prompts", "2",
+               "--batch", "1,2", "--out", str(s)])  # fmt: skip
+    assert rc == 0
+    report = json.loads(s.read_text())
+    assert "peers skipped" in report["notes"][0]  # an HF directory: no GGUF for the peers
+    row = report["rows"]["clover self_spec:2 float32"]
+    assert row["batch"]["2"]["output_tokens_per_row"] == 4
+    rss = report["peak_rss_mb"]
+    assert rss["clover float32"] > 0 and row["peak_rss_mb"] == rss["clover float32"]
+    assert s.with_suffix(".png").stat().st_size > 0
+    s.with_suffix(".png").unlink()
+    assert main(["bench", "plot", str(s), str(q)]) == 0
+    assert s.with_suffix(".png").is_file()
+    assert "clover ar float32" in capsys.readouterr().out
