@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -50,6 +50,8 @@ class GenerationSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     refine_steps: int = 0  # self_spec: refinement passes over each fresh draft
+    # makes a fresh LogitsConstraint for each answer (clover.decoding.constraints), or None
+    constraint: Callable[[], object] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -264,6 +266,7 @@ class LLM:
                     steps=r.steps,
                 )
                 for i, r in enumerate(results)
+            constraint=(lambda _row: s.constraint()) if s.constraint is not None else None,
             ]
 
     def generate(

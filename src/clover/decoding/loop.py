@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clover.decoding.constraints import LogitsConstraint
 from clover.decoding.policies import Policy
 from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
 from clover.decoding.sampling import SamplingParams
@@ -93,8 +94,10 @@ class BatchDecoder:
         stop: Callable[[int, list[int]], bool] | None = None,
         index: int | None = None,
         seed_index: int = 0,
+        constraint: LogitsConstraint | None = None,
     ) -> Row:
-        """Queue a prompt into the batch; returns its row (its `.result` fills as it runs)."""
+        """Queue a prompt into the batch; returns its row (its `.result` fills as it runs).
+        `constraint` limits which tokens the row may commit (`constraints.py`)."""
         _check(self.model, [prompt], policy, max_new_tokens)
         sampling = sampling or SamplingParams()
         gen = torch.Generator(device=self.device)
@@ -108,6 +111,7 @@ class BatchDecoder:
         args = (index, prompt, budget, policy, gen)
         row = SpecRow(*args) if policy.speculative else BlockRow(*args, shifted=self.config.shifted)
         row.sampling, row.eos, row.stop = sampling, set(eos_token_ids), stop
+        row.constraint = constraint
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()
@@ -213,12 +217,14 @@ def generate(
     eos_token_ids: list[int] | tuple[int, ...] = (),
     stop: Callable[[int, list[int]], bool] | None = None,
     results: list[RowResult] | None = None,
+    constraint: Callable[[int], LogitsConstraint | None] | None = None,
 ) -> Iterator[StepEvent]:
     """Decode every prompt (lists of token ids, any lengths); yields one event per step.
 
     stop(row, final_tokens) is called when a row's final tokens grow; True ends that row
     (stop strings live in the caller, which knows text). `results`, if given, is filled with
-    one `RowResult` per prompt (complete once the row finishes).
+    one `RowResult` per prompt (complete once the row finishes). `constraint(row)`, if given,
+    makes each row's constraint (a fresh one per row: constraints keep state).
     """
     if not prompts:
         return
@@ -233,6 +239,7 @@ def generate(
             stop=stop,
             index=i,
             seed_index=i,
+            constraint=constraint(i) if constraint is not None else None,
         )
         for i, p in enumerate(prompts)
     ]

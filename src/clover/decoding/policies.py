@@ -30,6 +30,11 @@ class Policy:
         """confidence [n] of the masked positions (n >= 1) -> bool [n], at least one True."""
         return torch.ones_like(confidence, dtype=torch.bool)
 
+    def confident(self, confidence: float) -> bool:
+        """Whether one position at this confidence would be committed (constrained rows,
+        which commit left to right, ask this of each position after the first)."""
+        return True
+
 
 @dataclass(frozen=True)
 class LowConfidence(Policy):
@@ -49,6 +54,9 @@ class LowConfidence(Policy):
         if not bool(chosen.any()):
             chosen[int(confidence.argmax())] = True
         return chosen
+
+    def confident(self, confidence: float) -> bool:
+        return confidence >= self.threshold
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ in one call, and hands each row its slice. Two kinds of row cover every decoder:
   distribution, since a draft token is accepted only when it equals the AR sample).
 
 Token shift is assumed where noted: the output at position i predicts position i + 1.
+
+A row may carry a `LogitsConstraint` (`constraints.py`). A constrained `BlockRow` commits its
+block left to right (a run per step); a constrained `SpecRow` constrains every token it keeps
+(the AR samples at verification), while its drafts stay unconstrained guesses that the
+verification accepts only where they match. When the constraint reports `finished` the row
+drops it and decodes as usual.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from clover.decoding.constraints import LogitsConstraint, pick
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, sample
 
@@ -64,7 +71,17 @@ class Row:
         self.gen = gen
         self.steps = 0
         self.prefix_hidden: torch.Tensor | None = None  # output at the last committed token
+        self.constraint: LogitsConstraint | None = None
         self.result = RowResult()
+
+    def constrained(self, logits: torch.Tensor, at: int, sampling: SamplingParams) -> int:
+        """logits [V] for answer index `at` -> the best token the constraint allows; the
+        constraint advances past it."""
+        token, _ = pick(logits, self.constraint, self.max_new - at, sampling, self.gen)
+        self.constraint.advance(token)
+        if self.constraint.finished:
+            self.constraint = None
+        return token
 
     def plan(self, mask_id: int) -> tuple[list[int], int]:
         """-> (input tokens for the next pass, how many of them are committed causally)."""
@@ -129,14 +146,17 @@ class BlockRow(Row):
         if not len(logits):
             return [], 0
         self.steps += 1
-        tokens, conf = sample(logits, sampling, self.gen)
-        chosen = self.policy.select(conf)
         masked = self.masked()
         commits = []
-        for j in torch.nonzero(chosen).flatten().tolist():
-            p, tok = masked[j], int(tokens[j])
-            self.block[p], self.block_steps[p] = tok, self.steps
-            commits.append((len(self.answer) + p, tok))
+        if self.constraint is not None:
+            commits = self._commit_run(logits, masked, sampling, eos)
+        else:
+            tokens, conf = sample(logits, sampling, self.gen)
+            chosen = self.policy.select(conf)
+            for j in torch.nonzero(chosen).flatten().tolist():
+                p, tok = masked[j], int(tokens[j])
+                self.block[p], self.block_steps[p] = tok, self.steps
+                commits.append((len(self.answer) + p, tok))
         cut = first_eos(self.block, eos)
         if cut is not None:  # nothing after an EOS matters: stop denoising it
             del self.block[cut + 1 :], self.block_steps[cut + 1 :]
@@ -148,6 +168,30 @@ class BlockRow(Row):
             if cut is None:
                 self.open_block()
         return commits, 0
+
+    def _commit_run(
+        self, logits: torch.Tensor, masked: list[int], sampling: SamplingParams, eos: set[int]
+    ) -> list[tuple[int, int]]:
+        """Constrained: commit the leftmost masked position, then the next ones while the
+        policy is confident in their allowed token. Positions before masked[0] are all
+        committed (a constrained row never leaves a gap), so each token is judged against
+        everything before it."""
+        commits = []
+        for j, p in enumerate(masked):
+            if self.constraint is None or (j and p != masked[j - 1] + 1):
+                break  # the constraint finished: the rest of the block decodes as usual
+            at = len(self.answer) + p
+            token, conf = pick(logits[j], self.constraint, self.max_new - at, sampling, self.gen)
+            if j and not self.policy.confident(conf):
+                break
+            self.constraint.advance(token)
+            if self.constraint.finished:
+                self.constraint = None
+            self.block[p], self.block_steps[p] = token, self.steps
+            commits.append((at, token))
+            if token in eos:
+                break
+        return commits
 
     def final_tokens(self) -> list[int]:
         run = 0
@@ -203,7 +247,10 @@ class SpecRow(Row):
         verify, drafted = logits[:nv], logits[nv:]
         accepted, token = 0, None
         for i in range(nv):  # sequential: a sample is drawn only where AR would draw one
-            tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
+            if self.constraint is not None:
+                tok = self.constrained(verify[i], len(self.answer) + i, sampling)
+            else:
+                tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
             if i < len(self.draft) and tok == self.draft[i]:
                 accepted += 1
                 continue
@@ -221,7 +268,10 @@ class SpecRow(Row):
         return [(start + i, t) for i, t in enumerate(new)], rollback
 
     def _refine(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
-        token = int(sample(logits[:1], sampling, self.gen)[0][0])  # exact: a causal output
+        if self.constraint is not None:
+            token = self.constrained(logits[0], len(self.answer), sampling)
+        else:
+            token = int(sample(logits[:1], sampling, self.gen)[0][0])  # exact: a causal output
         start = self._append([token])
         # block outputs at draft[0..n-2] re-predict draft[1..n-1]; draft[0]'s slot is `token`
         refined = logits[1:].argmax(-1).tolist()

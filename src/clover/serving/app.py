@@ -3,7 +3,9 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics`, `GET /version`, and the web page at `/` (static files, no build step).
 Handlers stay thin: read the body (size-limited), validate it (`protocol`), render and
-tokenize the prompt, submit to the scheduler, and hand the tickets to `responses`.
+tokenize the prompt (with tools, `tools`), attach the answer's decoding rule if the request
+has one (JSON output, a forced tool call, a thinking budget: `constraints`), submit to the
+scheduler, and hand the tickets to `responses`.
 
 Every error leaves as an OpenAI error object, including 404/405 from routing and unexpected
 exceptions, whose details are logged on the server and never sent. The interactive API docs
@@ -18,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -30,6 +33,7 @@ from starlette.responses import StreamingResponse
 from clover import __version__
 from clover.engine import LLM
 from clover.errors import CloverError
+from clover.serving.constraints import JsonRule, TokenConstraint, answer_rule
 from clover.serving.errors import APIError, bad_request, internal_error
 from clover.serving.options import ServeOptions
 from clover.serving.protocol import fit, parse_chat, parse_completion, parse_json
@@ -37,6 +41,7 @@ from clover.serving.reasoning import prompt_opens_reasoning
 from clover.serving.responses import Call, complete, stream
 from clover.serving.runtime import ClientGone, Runtime
 from clover.serving.security import ApiKeyMiddleware, read_body
+from clover.serving.tools import call_rule, render_inputs, template_knows_tools
 
 log = logging.getLogger("clover.serve")
 STATIC = Path(__file__).parent / "static"
@@ -112,9 +117,11 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         llm = runtime.llm
 
         def render() -> tuple[str, list[int]]:
+            knows = template_knows_tools(llm.tokenizer)
+            messages, extra = render_inputs(req.messages, req.tools, knows)
             try:
                 text = llm.tokenizer.apply_chat_template(
-                    req.messages, add_generation_prompt=True, **req.template_kwargs
+                    messages, add_generation_prompt=True, **{**req.template_kwargs, **extra}
                 )
             except CloverError as e:
                 raise bad_request(str(e), "messages") from None
@@ -122,11 +129,19 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
 
         text, ids = await run_in_threadpool(render)  # long prompts must not stall the loop
         settings = fit(req, len(ids), runtime.limits)
+        opens = prompt_opens_reasoning(text)
+        then = JsonRule(req.json_grammar) if req.json_grammar is not None else None
+        if req.tool_choice not in ("auto", "none"):  # required, or a named function
+            then = call_rule(req.tools, None if req.tool_choice == "required" else req.tool_choice)
+        rule = answer_rule(then, req.thinking_budget, opens)
+        if rule is not None:
+            vocab = await run_in_threadpool(lambda: runtime.vocab)  # decoded once, on first use
+            settings = replace(settings, constraint=lambda: TokenConstraint(rule, vocab))
         ticket = runtime.submit(ids, settings, req.n)
         call = Call(
             runtime, True, f"chatcmpl-{uuid.uuid4().hex}", req.model, req,
-            llm.default_settings(settings), [(ticket, 0)], len(ids),
-            reasoning_start=prompt_opens_reasoning(text),
+            llm.default_settings(settings), [(ticket, 0)], len(ids), reasoning_start=opens,
+            tool_names=req.tool_names if req.tools else None,
         )  # fmt: skip
         return await _respond(call, request)
 

@@ -3,9 +3,14 @@
 We validate by hand instead of with pydantic models: each check knows the OpenAI `param` to
 blame, the messages say what was expected, and the limits that depend on the loaded model
 (context length, vocabulary, served name) are plain arguments. Unknown fields are ignored, as
-OpenAI-compatible servers do, but a known feature this server does not implement (tools,
-logprobs, penalties) is refused with 400 rather than silently dropped: an answer that ignored
-the request would look valid and be wrong.
+OpenAI-compatible servers do, but a known feature this server does not implement (logprobs,
+penalties, the legacy `functions`) is refused with 400 rather than silently dropped: an answer
+that ignored the request would look valid and be wrong.
+
+Agent features checked here: `tools` / `tool_choice` / `parallel_tool_calls` (`tools.py`),
+`response_format` (json_object, or json_schema with the schema subset of `json_grammar.py`;
+the schema is compiled here so a bad one is a 400), and the thinking budget:
+`max_thinking_tokens`, or `reasoning_effort` mapped through `EFFORT_BUDGETS`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from typing import Any
 
 from clover.decoding.policies import DECODERS
 from clover.engine import GenerationSettings
+from clover.errors import CloverError
 from clover.serving.errors import APIError, bad_request
+from clover.serving.json_grammar import JsonGrammar
 
 MAX_N = 16  # choices per request (and prompts per completion request)
 MAX_STOPS = 16
@@ -35,6 +42,10 @@ ROLES = {
     "tool": "tool",
 }
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_FUNCTION = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# reasoning_effort -> thinking tokens; "minimal"/"none" close the thought at once
+EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": 4096}
+MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,15 @@ class Request:
 class ChatRequest(Request):
     messages: list[dict[str, Any]] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # {"type": "function", ...}
+    tool_choice: str = "auto"  # auto | none | required | the name of a function
+    parallel_tool_calls: bool = True
+    json_grammar: JsonGrammar | None = None  # response_format json_object / json_schema
+    thinking_budget: int | None = None
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
 
 
 @dataclass
@@ -100,22 +120,30 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
                 f"chat_template_kwargs: {key[:40]!r} is not a name a request may set",
                 "chat_template_kwargs",
             )
-    for name in ("tools", "functions"):
+    for name in ("functions", "function_call"):
         if body.get(name):
-            raise _unsupported(name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise _unsupported("tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format")
+            raise bad_request(f"{name} is the legacy form: use tools / tool_choice", name)
+    tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    parallel = _bool(body, "parallel_tool_calls", True)
+    grammar = _response_format(body.get("response_format"))
+    if grammar is not None and choice in ("required",) + tuple(
+        t["function"]["name"] for t in tools
+    ):
+        raise bad_request(
+            "response_format cannot be combined with a forced tool call", "tool_choice"
+        )
     if body.get("top_logprobs"):
         raise _unsupported("top_logprobs")
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
     return ChatRequest(
-        **_common(body, limits, max_tokens), messages=messages, template_kwargs=kwargs
-    )
+        **_common(body, limits, max_tokens), messages=messages, template_kwargs=kwargs,
+        tools=tools if choice != "none" else [], tool_choice=choice,
+        parallel_tool_calls=parallel, json_grammar=grammar,
+        thinking_budget=_thinking_budget(body, limits.context_length),
+    )  # fmt: skip
 
 
 def parse_completion(body: dict[str, Any], limits: Limits) -> CompletionRequest:
@@ -242,8 +270,132 @@ def _messages(messages: object) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.content is required", where)
         elif content is not None and not isinstance(content, str):
             raise _type(f"{where}.content", "a string or a list of text parts", content)
-        out.append({"role": ROLES[role], "content": content})
+        message: dict[str, Any] = {"role": ROLES[role], "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _past_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _type(f"{where}.tool_call_id", "a string", call_id)
+            message["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                message["name"] = m["name"]
+        out.append(message)
     return out
+
+
+def _past_calls(calls: object, where: str) -> list[dict[str, str]]:
+    """An assistant turn's tool_calls -> [{id, name, arguments (a string)}]."""
+    if not isinstance(calls, list):
+        raise _type(where, "a list", calls)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}[{i}] must be {{type: function, function: {{name, "
+                              "arguments}}}}", where)  # fmt: skip
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args)
+        out.append(
+            {"id": str(call.get("id") or f"call_{i}"), "name": fn["name"], "arguments": args}
+        )
+    return out
+
+
+def _tools(tools: object) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _type("tools", "a list", tools)
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"at most {MAX_TOOLS} tools", "tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad_request(f"{where} must be {{type: function, function: {{...}}}}", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _type(f"{where}.function", "an object", fn)
+        name = fn.get("name")
+        if not isinstance(name, str) or not _FUNCTION.fullmatch(name):
+            raise bad_request(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
+        if name in names:
+            raise bad_request(f"{where}: two tools are named {name!r}", "tools")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise _type(f"{where}.function.parameters", "an object (a JSON schema)", params)
+            _compile_schema(params, f"{where}.function.parameters", "tools")
+        clean = {"name": name}
+        if isinstance(fn.get("description"), str):
+            clean["description"] = fn["description"]
+        clean["parameters"] = params if params is not None else {"type": "object"}
+        out.append({"type": "function", "function": clean})
+    return out
+
+
+def _tool_choice(choice: object, tools: list[dict[str, Any]]) -> str:
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad_request(
+                "tool_choice must be auto, none, required or a function", "tool_choice"
+            )
+        if choice == "required" and not tools:
+            raise bad_request("tool_choice is required but no tools were given", "tool_choice")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("tool_choice must be {type: function, function: {name}}", "tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {name[:64]!r}, which is not in tools", "tool_choice")
+    return name
+
+
+def _response_format(fmt: object) -> JsonGrammar | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _type("response_format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonGrammar({"type": "object"})
+    if kind != "json_schema":
+        raise bad_request("response_format.type must be text, json_object or json_schema",
+                          "response_format")  # fmt: skip
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad_request("response_format.json_schema must be {name, schema}", "response_format")
+    return _compile_schema(spec.get("schema", {}), "json_schema.schema", "response_format")
+
+
+def _compile_schema(schema: dict, where: str, param: str) -> JsonGrammar:
+    try:
+        return JsonGrammar(schema)
+    except CloverError as e:
+        raise bad_request(f"{where}: {e}", param) from None
+    except RecursionError:
+        raise bad_request(f"{where}: the schema is nested too deeply", param) from None
+
+
+def _thinking_budget(body: dict, context: int) -> int | None:
+    budget = _int(body, "max_thinking_tokens", 0, context)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORT_BUDGETS:
+            raise bad_request(
+                f"reasoning_effort must be one of: {', '.join(EFFORT_BUDGETS)}", "reasoning_effort"
+            )
+        if budget is None:
+            budget = EFFORT_BUDGETS[effort]
+    return budget
 
 
 def _text_part(part: object, where: str) -> str:

@@ -11,6 +11,10 @@ on each choice's last chunk and on non-streamed bodies, and, only when the reque
 `"clover_commits": true` (the web page does), a `clover` field with the diffusion's commits
 `[answer index, token text, denoising step]`, sent as they happen, even when no text became
 final yet. An error after the stream started is sent as an `error` event before `[DONE]`.
+
+With tools, the content goes through the Hermes parser (`tools.py`): calls become `tool_calls`
+(streamed: the call's header, then its arguments as they commit) and the choice finishes with
+"tool_calls"; an answer whose calls do not parse stays plain content.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from clover.serving.protocol import Request
 from clover.serving.reasoning import ReasoningSplitter, split_reasoning
 from clover.serving.runtime import Runtime, ticket_events
 from clover.serving.scheduler import Ticket
+from clover.serving.tools import ToolCallStream, parse_tool_calls
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Call:
     tickets: list[tuple[Ticket, int]]  # each with the index of its first choice
     prompt_tokens: int
     reasoning_start: bool = False  # chat: the prompt leaves the answer inside <think>
+    tool_names: set[str] | None = None  # chat with tools: parse tool calls out of answers
     echo: list[str] = field(default_factory=list)  # completions: prompt text per choice
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
@@ -122,6 +128,12 @@ def _choice(call: Call, index: int, c: Completion) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
     reasoning, content = split_reasoning(c.text, call.reasoning_start)
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    calls = None
+    if call.tool_names is not None:
+        calls = parse_tool_calls(content, call.tool_names, call.request.parallel_tool_calls)
+    if calls is not None:
+        message["content"], message["tool_calls"] = calls
+        reason = "tool_calls"
     if reasoning:
         message["reasoning_content"] = message["reasoning"] = reasoning
     return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
@@ -172,6 +184,12 @@ async def stream(call: Call) -> AsyncIterator[str]:
     splitters = [
         ReasoningSplitter(call.reasoning_start) if call.chat else None for _ in range(call.choices)
     ]
+    tools = [
+        ToolCallStream(call.tool_names, call.request.parallel_tool_calls)
+        if call.tool_names is not None
+        else None
+        for _ in range(call.choices)
+    ]
     completions: dict[int, Completion] = {}
     first = True
     opening = {}
@@ -191,7 +209,10 @@ async def stream(call: Call) -> AsyncIterator[str]:
                     if first and event["text"]:
                         first = False
                         call.runtime.metrics.first_token(time.monotonic() - call.started)
-                    part = _split(splitters[i], event["text"], push=True)
+                    parts = _tool_parts(tools[i], _split(splitters[i], event["text"], push=True))
+                    part = parts.pop() if parts else {}
+                    for earlier in parts:
+                        yield s.chunk(i, earlier)
                     extra = {}
                     if call.request.commits and event["commits"]:
                         extra["clover"] = {
@@ -205,10 +226,13 @@ async def stream(call: Call) -> AsyncIterator[str]:
                         yield s.chunk(i, part, **extra)
                 else:  # done
                     c = completions[i] = event["completion"]
-                    part = _split(splitters[i], "", push=False)
-                    if part:
+                    parts = _tool_parts(tools[i], _split(splitters[i], "", push=False), True)
+                    for part in parts:
                         yield s.chunk(i, part)
-                    yield s.chunk(i, {}, _finish_reason(c), timings=call.timings([c]))
+                    reason = _finish_reason(c)
+                    if tools[i] is not None and tools[i].called:
+                        reason = "tool_calls"
+                    yield s.chunk(i, {}, reason, timings=call.timings([c]))
     except APIError as e:
         yield sse(e.body())
     else:
@@ -229,6 +253,20 @@ def _split(splitter: ReasoningSplitter | None, text: str, push: bool) -> dict[st
     if content:
         part["content"] = content
     return part
+
+
+def _tool_parts(
+    tools: ToolCallStream | None, part: dict[str, Any], finish: bool = False
+) -> list[dict[str, Any]]:
+    """A delta through the tool-call parser: its content may become several parts."""
+    if tools is None:
+        return [part] if part else []
+    text = part.pop("content", "")
+    out = [part] if part else []  # reasoning passes untouched
+    out += tools.push(text) if text else []
+    if finish:
+        out += tools.finish()
+    return out
 
 
 def _block_size(settings: GenerationSettings) -> int:

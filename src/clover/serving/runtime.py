@@ -24,6 +24,7 @@ from typing import Any
 
 from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
+from clover.serving.constraints import Vocab
 from clover.serving.errors import APIError, bad_request, unavailable
 from clover.serving.metrics import Metrics
 from clover.serving.options import ServeOptions
@@ -47,6 +48,8 @@ class Runtime:
         self.metrics = Metrics()
         self.on_failure: Callable[[], None] | None = None  # the server stops itself
         self._token_text: dict[int, str] = {}
+        self._vocab = None
+        self._vocab_lock = threading.Lock()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -111,6 +114,14 @@ class Runtime:
             raise unavailable("the server is shutting down", "shutting_down") from None
         except CloverError as e:
             raise bad_request(str(e)) from None
+
+    @property
+    def vocab(self) -> Vocab:
+        """The vocabulary as text for constrained decoding, built on first use."""
+        with self._vocab_lock:
+            if self._vocab is None:
+                self._vocab = Vocab.from_tokenizer(self.llm.tokenizer, self.llm.eos_token_ids)
+            return self._vocab
 
     def token_text(self, token: int) -> str:
         """One token as text, for the commit animation (cached: the vocabulary is fixed)."""

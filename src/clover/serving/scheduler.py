@@ -155,6 +155,7 @@ class Scheduler:
                         stop=lambda _i, final, text=text: text.on_final(final),
                         index=next(self._rows),
                         seed_index=choice,
+                        constraint=s.constraint() if s.constraint is not None else None,
                     )
                     row.t_start = time.monotonic()
                     t.rows[row.index] = (choice, text, row)
