@@ -322,3 +322,32 @@ def test_json_output_always_parses_and_validates(random_model):
         assert isinstance(value, dict)
         if fmt["type"] == "json_schema":
             assert validate(value, SCHEMA), text
+
+
+# --- the grammar and the rules, without a server -------------------------------------------------
+
+
+def test_json_grammar_prefixes_and_completions():
+    import random
+
+    from clover.serving.json_grammar import JsonGrammar
+
+    g = JsonGrammar()
+    for doc in ['{"a": [1, -2.5e+3, true, null, "x\\u00e9"], "b": {}}', "12", "[]", '"hi"']:
+        assert g.complete(g.feed(g.start(), doc)), doc
+    for bad in ["{,", '{"a" 1', "[1,]", "01", "tru e", "{}x", "[1 2]", " {}"]:
+        assert g.feed(g.start(), bad) is None, bad
+    g = JsonGrammar(SCHEMA)
+    assert g.feed(g.start(), '{"age":1.5') is None and g.feed(g.start(), '{"zz"') is None
+    assert g.feed(g.start(), '{"age":1}') is None  # required keys missing
+    rng = random.Random(0)
+    alphabet = list('{}[]",:0123456789-.eE tfrualsn\\xyz')
+    for _ in range(200):  # any valid prefix + its shortest completion is a valid document
+        state, text = g.start(), ""
+        for _ in range(rng.randint(0, 60)):
+            options = [c for c in alphabet if g.feed(state, c) is not None]
+            if not options:
+                break
+            c = rng.choice(options)
+            state, text = g.feed(state, c), text + c
+        assert validate(json.loads(text + g.completion(state)), SCHEMA)

@@ -317,7 +317,7 @@ def _tools(tools: object) -> list[dict[str, Any]]:
             raise bad_request(f"{where} must be {{type: function, function: {{...}}}}", "tools")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise _type(f"{where}.function", "an object", fn)
+            raise bad_request(f"{where}.function must be an object, got {_json_type(fn)}", "tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _FUNCTION.fullmatch(name):
             raise bad_request(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
@@ -327,7 +327,7 @@ def _tools(tools: object) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if params is not None:
             if not isinstance(params, dict):
-                raise _type(f"{where}.function.parameters", "an object (a JSON schema)", params)
+                raise bad_request(f"{where}.function.parameters must be a JSON schema", "tools")
             _compile_schema(params, f"{where}.function.parameters", "tools")
         clean = {"name": name}
         if isinstance(fn.get("description"), str):
