@@ -83,3 +83,21 @@ def test_config_errors_and_cli(tiny_checkpoint, data, tmp_path):
     assert main(["train", "adapt", "--config", str(good), "--quiet"]) == 0
     assert (tmp_path / "cli" / "checkpoint" / "state.pt").exists()
     assert main(["train", "adapt", "--config", str(good), "--resume", "--quiet"]) == 0
+
+
+def test_noise_modes_and_full_masks():
+    import random
+
+    from clover.train.adapt import example_masks
+
+    ex = {"id": "x"}
+    cfg = TrainConfig(data="d", out="o", noise="complement_epochs", seed=3)
+    m0 = example_masks(ex, 11, 4, cfg, random.Random(0), epoch=0)
+    m1 = example_masks(ex, 11, 4, cfg, random.Random(1), epoch=1)
+    assert len(m0) == len(m1) == 1 and m1[0] == [not x for x in m0[0]]
+    two = example_masks(ex, 11, 4, TrainConfig(data="d", out="o"), random.Random(0), 0)
+    assert len(two) == 2 and all(a != b for a, b in zip(*two))
+    full = TrainConfig(data="d", out="o", full_mask_prob=1.0, noise="independent")
+    assert example_masks(ex, 11, 4, full, random.Random(0), 0) == [[True] * 11]
+    with pytest.raises(CloverError, match="noise"):
+        TrainConfig(data="d", out="o", noise="bogus")

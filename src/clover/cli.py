@@ -269,7 +269,7 @@ def cmd_train_adapt(a: argparse.Namespace) -> int:
 
     overrides = {"steps": a.steps, "out": a.out, "data": a.data}
     cfg = TrainConfig.from_yaml(a.config, **overrides)
-    print(json.dumps(train(cfg, resume=a.resume, progress=not a.quiet)))
+    print(json.dumps(train(cfg, resume=a.resume, progress=not a.quiet, until=a.until)))
     return 0
 
 
@@ -368,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML run config (see clover.train.adapt)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.add_argument("--steps", type=int, help="override the config's steps")
+    t.add_argument("--until", type=int, help="stop after this step (same schedule; --resume later)")
     t.add_argument("--out", help="override the config's output directory")
     t.add_argument("--data", help="override the config's data directory")
     t.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -166,8 +166,15 @@ class LLM:
     """A loaded model + tokenizer. `LLM("smollm2-135m")`, a GGUF path or an HF directory."""
 
     def __init__(
-        self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", progress: bool = True
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "auto",
+        progress: bool = True,
+        adapter: str | Path | None = None,
     ) -> None:
+        """adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
+        registry name that ships one (clover-smol-135m) attaches its own."""
         if dtype not in DTYPES and dtype != "auto":
             raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
         t0 = time.perf_counter()
@@ -186,10 +193,28 @@ class LLM:
             self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
             self.tokenizer = Tokenizer.from_dir(directory)
             self.name = self.resolved.name
+            entry = self.resolved.entry
+            if entry is not None and entry.adapter is not None and adapter is None:
+                adapter = entry.adapter_path
+            for key, value in (entry.decoding if entry else {}).items():
+                setattr(self.model.config, key, value)
+        self.adapter = None
+        if adapter is not None:
+            from clover.models.adapter import load_adapter
+
+            if not Path(adapter).is_file():
+                raise CloverError(f"adapter file {adapter} not found")
+            load_adapter(self.model, Path(adapter))
+            self.model.to(DTYPES[dtype])
+            self.adapter = str(adapter)
         if dtype in ("int4", "int8"):
             from clover.quant import quantize_model
 
             quantize_model(self.model, dtype)
+        if self.adapter is not None:
+            from clover.models.adapter import keep_float32
+
+            keep_float32(self.model)
         self.dtype = dtype
         self.directory = directory
         self.config = self.model.config
@@ -245,6 +270,7 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
             stop=lambda row, final: texts[row].on_final(final),
             results=results,
+            constraint=(lambda _row: s.constraint()) if s.constraint is not None else None,
         )
         for event in loop:
             for row in event.finished:
@@ -266,7 +292,6 @@ class LLM:
                     steps=r.steps,
                 )
                 for i, r in enumerate(results)
-            constraint=(lambda _row: s.constraint()) if s.constraint is not None else None,
             ]
 
     def generate(

@@ -73,6 +73,7 @@ class TrainConfig:
     rank: int = 32  # adapter only
     alpha: float = 32.0
     adapter_layers: str = "all"  # "all" or "last:N"
+    mask_embedding: bool = True  # learn the [MASK] vector (needs gradients down to the input)
     targets: list[str] | None = None  # None: every projection
     init_adapter: str | None = None  # continue from an adapter file (e.g. the shipped one)
     eval_block: int = 4  # held-out draft acceptance is measured at this block size
@@ -327,7 +328,8 @@ def set_trainable(model: torch.nn.Module, cfg: TrainConfig) -> int:
             n = int(cfg.adapter_layers.split(":")[1])
             layers = list(range(max(n_layers - n, 0), n_layers))
         targets = cfg.targets or AdapterConfig().targets
-        config = AdapterConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets, layers=layers)
+        config = AdapterConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets, layers=layers,
+                               mask_embedding=cfg.mask_embedding)  # fmt: skip
         if cfg.init_adapter:
             from clover.models.adapter import load_adapter, read_adapter_config
 
@@ -458,7 +460,7 @@ def train(
         seen_tokens += info["tokens"]
         rate = seen_tokens / (time.perf_counter() - t0)
         last = {"step": step, "lr": lr_at(step - 1, cfg), **info, "tokens_per_s": round(rate, 1)}
-        if heldout and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if heldout and (step % cfg.eval_every == 0 or step in (cfg.steps, stop_at)):
             last["heldout"] = evaluate(model, heldout, cfg, mask_id, pad_id)
         metrics.write(json.dumps(last) + "\n")
         metrics.flush()
