@@ -34,6 +34,17 @@ def _out_path(a: argparse.Namespace, kind: str) -> Path:
     return RESULTS / f"bench-{kind}-{model_label(a.model)}{'-quick' if a.quick else ''}.json"
 
 
+def _busy_note(record: dict) -> list[str]:
+    """A note when other work loads the machine: every row then runs slower and noisier."""
+    load, cores = record.get("load_average_1m", 0), record.get("cores") or 1
+    if load > 0.5 * cores:
+        return [
+            f"the machine was busy: 1-minute load average {load} on {cores} cores at the start; "
+            "figures are slower and noisier than on an idle machine"
+        ]
+    return []
+
+
 def _plot(fn_name: str, *args: object) -> list[str]:
     try:
         from clover.bench import plots
@@ -64,6 +75,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
     )
     from clover.engine import LLM
 
+    machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
         a.tokens, a.reps, a.prompts = a.tokens or 32, a.reps or 1, a.prompts or 1
         a.dtypes = a.dtypes or "auto"
@@ -121,7 +133,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         "quick": bool(a.quick),
         "date": now(),
         "command": command_line(),
-        "machine": machine(),
+        "machine": machine_record,
         "model": a.model,
         "settings": {
             "configs": [c.name for c in configs],
@@ -141,7 +153,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
             "peak_rss": "ru_maxrss of a fresh child process per engine and precision that "
             "loads it alone and runs all its configs once at the largest batch",
         },
-        "notes": notes,
+        "notes": notes + _busy_note(machine_record),
         "peak_rss_mb": rss,
         "rows": rows,
     }
@@ -178,8 +190,9 @@ def cmd_quality(a: argparse.Namespace) -> int:
     from clover.bench.quality import load_suite, run_quality
     from clover.engine import LLM
 
+    machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
-        a.limit = a.limit or 12
+        a.limit = a.limit or 8
     configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4")
     items = load_suite(a.suite, limit=a.limit)
     llm = LLM(a.model, dtype=a.dtype, progress=False)
@@ -204,7 +217,8 @@ def cmd_quality(a: argparse.Namespace) -> int:
         "quick": bool(a.quick),
         "date": now(),
         "command": command_line(),
-        "machine": machine(),
+        "machine": machine_record,
+        "notes": _busy_note(machine_record),
         "model": a.model,
         "dtype": llm.dtype,
         "suite": str(a.suite or "benchmarks/suites/quality.jsonl"),
@@ -312,7 +326,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--configs", "--decoders",
                    help="comma list (default ar,low_confidence:32:0.95,self_spec:4)")  # fmt: skip
     q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
-    q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 12)")
+    q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
     q.add_argument("--max-tokens", type=int, default=128)
     q.add_argument("--batch-size", type=int, default=8, help="items decoded together (8)")
     q.add_argument("--reference", default=DEFAULT_MODEL,
@@ -321,7 +335,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--code-timeout", type=float, default=5.0, help="seconds per code check")
     q.add_argument("--code-memory-mb", type=int, default=256, help="address space per check")
     q.add_argument("--out", help="results JSON (default benchmarks/results/bench-quality-*.json)")
-    q.add_argument("--quick", action="store_true", help="a smoke run (--limit 12)")
+    q.add_argument("--quick", action="store_true", help="a smoke run (--limit 8)")
     q.add_argument("--no-plot", action="store_true")
     q.set_defaults(func=cmd_quality)
 

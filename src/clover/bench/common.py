@@ -104,6 +104,8 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # other work on the machine slows every row; the 1-minute load average at the start
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -120,8 +122,20 @@ def spread(values: list[float], digits: int = 2) -> dict:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident set size so far, in MB.
+
+    Linux: VmHWM of /proc/self/status, the high-water mark of this process's own memory
+    since exec. Not ru_maxrss: a child started by fork + exec inherits its parent's
+    ru_maxrss, so a small engine probed from a big parent would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def now() -> str:
