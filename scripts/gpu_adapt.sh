@@ -11,4 +11,4 @@ export PYTHONPATH=src
 PROMPTS=${PROMPTS:-20000}
 python3 -m clover.cli data distill --out runs/distill-gpu --prompts "$PROMPTS" --batch-size 64 --max-tokens 192 --dtype float32
 python3 -m clover.cli train adapt --config configs/adapt-gpu.yaml
-python3 benchmarks/decoders.py --model runs/adapt-gpu/model --dtype float32 --tokens 64
+python3 benchmarks/frontier.py --model smollm2-135m --adapter runs/adapt-gpu/adapter.safetensors --label adapt-gpu

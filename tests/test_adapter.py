@@ -105,3 +105,14 @@ def test_file_round_trip_and_errors(tmp_path):
         load_adapter(tiny_model(0), tmp_path / "bad")
     with pytest.raises(CloverError, match="rank"):
         AdapterConfig(rank=0)
+
+
+def test_partial_adapter_trains_without_the_mask_vector():
+    model = tiny_model(4)
+    attach_adapter(model, AdapterConfig(rank=2, layers=[1], mask_embedding=False))
+    for n, p in model.named_parameters():
+        p.requires_grad_(".lora_" in n)
+    layout = training_layout(torch.tensor([2]), 6, 4, 2)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 3, 3, 9, 3]])
+    model(ids, mode="train", layout=layout).sum().backward()  # lower layer: no grad input
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".lora_a" in n)

@@ -23,6 +23,7 @@ def peak_rss_mb() -> float:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
+    p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -66,7 +67,7 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
 def _load(a: argparse.Namespace, quiet: bool = False) -> object:
     from clover.engine import LLM
 
-    return LLM(a.model, dtype=a.dtype, progress=not quiet)
+    return LLM(a.model, dtype=a.dtype, progress=not quiet, adapter=getattr(a, "adapter", None))
 
 
 def _run_stream(llm: object, prompt: list[int], settings: GenerationSettings, echo: bool):
@@ -280,6 +281,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     options = ServeOptions(
         model=a.model,
+        adapter=a.adapter,
         dtype=a.dtype,
         host=a.host,
         port=a.port,

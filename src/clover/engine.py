@@ -25,7 +25,8 @@ from clover.registry import ResolvedModel, cache_dir, resolve
 from clover.tokenizer import Tokenizer
 from clover.weights import model_from_state, read_config, read_gguf, read_hf_dir, save_checkpoint
 
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = "clover-smol-135m"  # SmolLM2-135M-Instruct + our draft adapter (MODEL_CARD.md)
+BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
 CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches
 DTYPES = {
     "float32": torch.float32,
@@ -154,7 +155,7 @@ def _preset_model(name: str, progress: bool) -> tuple:
             f"{name} is a shape preset of {config.num_params / 1e9:.1f}B parameters with no "
             "weights; `clover info` describes it, generation needs a checkpoint"
         )
-    base = prepare_checkpoint(resolve(DEFAULT_MODEL, progress=progress), progress)
+    base = prepare_checkpoint(resolve(BASE_MODEL, progress=progress), progress)
     tokenizer = Tokenizer.from_dir(base)
     if tokenizer.vocab_size > config.vocab_size:
         raise CloverError(f"{name}: vocabulary smaller than the tokenizer's")
@@ -163,7 +164,7 @@ def _preset_model(name: str, progress: bool) -> tuple:
 
 
 class LLM:
-    """A loaded model + tokenizer. `LLM("smollm2-135m")`, a GGUF path or an HF directory."""
+    """A loaded model + tokenizer. `LLM("clover-smol-135m")`, a GGUF path or an HF directory."""
 
     def __init__(
         self,

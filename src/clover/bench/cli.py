@@ -298,7 +298,7 @@ def cmd_gpu(a: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from clover.engine import DEFAULT_MODEL
+    from clover.engine import BASE_MODEL, DEFAULT_MODEL
 
     bench = sub.add_parser("bench", help="speed and quality benchmarks (results + plots)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -329,7 +329,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
     q.add_argument("--max-tokens", type=int, default=128)
     q.add_argument("--batch-size", type=int, default=8, help="items decoded together (8)")
-    q.add_argument("--reference", default=DEFAULT_MODEL,
+    q.add_argument("--reference", default=BASE_MODEL,
                    help="AR model that scores fluency ('none': skip)")  # fmt: skip
     q.add_argument("--reference-dtype", default="float32")
     q.add_argument("--code-timeout", type=float, default=5.0, help="seconds per code check")

@@ -98,7 +98,7 @@ class LoRALinear(nn.Module):
         self.tokens = tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # a fresh tensor: adding into it in place is safe under autograd
+        y = self.base(x)
         idx, span = self.tokens.index, self.tokens.span
         if idx is None:
             return y
@@ -109,7 +109,14 @@ class LoRALinear(nn.Module):
             h = h * self.scale
         delta = (h @ self.lora_b.t()).to(y.dtype)
         flat = y.view(-1, self.out_features)
-        if span:
+        if torch.is_grad_enabled() and delta.requires_grad:  # training: out of place
+            if span == (0, flat.shape[0]):
+                return (flat + delta).view(y.shape)
+            if span:
+                parts = [flat[: span[0]], flat[span[0] : span[1]] + delta, flat[span[1] :]]
+                return torch.cat(parts).view(y.shape)
+            return flat.index_add(0, idx, delta).view(y.shape)
+        if span:  # inference: y is a fresh tensor, add into it
             flat[span[0] : span[1]] += delta
         else:
             flat.index_add_(0, idx, delta)

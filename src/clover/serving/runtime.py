@@ -39,7 +39,9 @@ DISCONNECT_CHECK_S = 0.25
 class Runtime:
     def __init__(self, options: ServeOptions, loader: Callable[[], LLM] | None = None) -> None:
         self.options = options
-        self.loader = loader or (lambda: LLM(options.model, dtype=options.dtype, progress=False))
+        self.loader = loader or (
+            lambda: LLM(options.model, dtype=options.dtype, progress=False, adapter=options.adapter)
+        )
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
         self.limits: Limits | None = None

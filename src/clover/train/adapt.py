@@ -517,8 +517,8 @@ def _trim_metrics(path: Path, step: int) -> None:
 
 def evaluate(model: object, examples: list[dict], cfg: TrainConfig, mask_id: int,
              pad_id: int) -> dict:  # fmt: skip
-    """Held-out losses with a fixed mask draw (comparable across steps); for an adapter also
-    the draft acceptance at `eval_block` (see `draft_acceptance`)."""
+    """Held-out losses with a fixed mask draw (comparable across steps); and
+    the draft acceptance at `eval_block` (see `draft_acceptance`), for every recipe."""
     rng = random.Random(1234)
     was = model.training
     model.eval()
@@ -533,13 +533,13 @@ def evaluate(model: object, examples: list[dict], cfg: TrainConfig, mask_id: int
             _, part = compute_loss(model, batch, cfg)
             total["masked"] += part["masked"]
             total["ar"] += part["ar"]
-            if cfg.trainable == "adapter":
+            if hasattr(model, "forward_over_prefix"):  # every recipe: comparable across them
                 drafts = make_batch(chunk, full, mask_id, rng, pad_id, block=cfg.eval_block)
                 for k, v in draft_acceptance(model, drafts, cfg).items():
                     accept[k] += v
             n += 1
     model.train(was)
     out = {k: round(v / max(n, 1), 4) for k, v in total.items()}
-    if cfg.trainable == "adapter":
+    if hasattr(model, "forward_over_prefix"):
         out.update({k: round(v / max(n, 1), 4) for k, v in accept.items()})
     return out
