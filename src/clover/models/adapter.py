@@ -196,6 +196,7 @@ def save_adapter(model: nn.Module, path: Path, dtype: torch.dtype = torch.bfloat
     os.close(fd)
     try:
         save_file(state, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; an adapter is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
