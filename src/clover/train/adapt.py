@@ -30,6 +30,7 @@ scheduler, data position and RNG states, so `--resume` continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -226,6 +227,18 @@ def _loss(logits: torch.Tensor, target: torch.Tensor, tid: torch.Tensor, tlp: to
     return (p * (p.clamp_min(1e-12).log() - logp.gather(-1, tid))).sum(-1).mean()
 
 
+def noisy_over_clean(model: object, batch: dict, autocast: object) -> torch.Tensor:
+    """The split training pass: the clean sequence once into a cache without gradients (the
+    base is frozen), then the batch's noisy copies over it. -> hidden [B, copies * A, D]."""
+    B, A, C, bs = batch["clean"].shape[0], batch["ans_len"], batch["clean_len"], batch["block"]
+    with torch.no_grad(), autocast:
+        cache = model.make_cache(B)
+        model(batch["clean"], cache)
+    layout = noisy_layout(batch["prompt_lens"], C, A, bs, batch["answer_lens"], batch["copies"])
+    with autocast:
+        return model.forward_over_prefix(batch["noisy"], cache, layout)
+
+
 def compute_loss(model: object, batch: dict, cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
     """-> (total loss, {"masked", "ar", "confident": floats, "tokens": int})."""
     dev = batch["clean"].device
@@ -236,13 +249,7 @@ def compute_loss(model: object, batch: dict, cfg: TrainConfig) -> tuple[torch.Te
     valid = batch["target"] >= 0
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
     if cfg.trainable == "adapter":
-        # clean pass once, no gradients (the base is frozen); noisy copies read its cache
-        with torch.no_grad(), autocast:
-            cache = model.make_cache(B)
-            model(batch["clean"], cache)
-        layout = noisy_layout(batch["prompt_lens"], C, A, bs, batch["answer_lens"], copies)
-        with autocast:
-            hidden = model.forward_over_prefix(batch["noisy"], cache, layout)  # [B, copies*A, D]
+        hidden = noisy_over_clean(model, batch, autocast)  # [B, copies * A, D]
         # a block's first position is predicted by the base's causal output: no gradient
         sel = batch["is_masked"] & (valid & (j % bs != 0))[:, None, :]  # [B, copies, A]
         bm, cm, jm = torch.nonzero(sel, as_tuple=True)
@@ -290,12 +297,9 @@ def draft_acceptance(model: object, batch: dict, cfg: TrainConfig) -> dict:
     """Fully masked blocks (what a self_spec draft sees): per block, how many leading drafted
     positions (1..B-1) equal the teacher's token -> mean run ("accept": drafts a self_spec
     pass would keep) and per-position accuracy. batch: from make_batch with full masks."""
-    B, A, C, bs = batch["clean"].shape[0], batch["ans_len"], batch["clean_len"], batch["block"]
-    layout = noisy_layout(batch["prompt_lens"], C, A, bs, batch["answer_lens"], 1)
+    B, bs = batch["clean"].shape[0], batch["block"]
     with torch.no_grad():
-        cache = model.make_cache(B)
-        model(batch["clean"], cache)
-        hidden = model.forward_over_prefix(batch["noisy"][:, :A], cache, layout)
+        hidden = noisy_over_clean(model, batch, contextlib.nullcontext())  # one copy: [B, A, D]
         pred = model.logits(hidden[:, :-1]).argmax(-1)  # [B, A-1]: predicts positions 1..A-1
     right = pred == batch["target"][:, 1:]
     runs, hits, n = [], 0, 0
