@@ -113,15 +113,21 @@ def test_extract_code():
 
 
 def test_configs_parse_and_round_trip():
-    configs = parse_configs("ar,low_confidence:32:0.95,self_spec:4,low_confidence:8")
+    text = (
+        "ar,low_confidence:32:0.95,self_spec:4,low_confidence:8,self_spec:3:lookup,self_spec:4:mask"
+    )
+    configs = parse_configs(text)
     assert [c.name for c in configs] == [
         "ar",
         "low_confidence:32:0.95",
         "self_spec:4",
         "low_confidence:8:0.95",
-    ]
+        "self_spec:3:lookup",
+    ]  # self_spec:4:mask is self_spec:4, dropped as a duplicate
     assert all(DecoderConfig.parse(c.name) == c for c in configs)
-    for bad in ("beam:4", "low_confidence", "self_spec:x", "ar:4"):
+    assert configs[4].policy().draft == "lookup" and configs[4].settings(8).draft == "lookup"
+    for bad in ("beam:4", "low_confidence", "self_spec:x", "ar:4", "self_spec:4:ngram",
+                "low_confidence:4:lookup"):  # fmt: skip
         with pytest.raises(CloverError):
             DecoderConfig.parse(bad)
 

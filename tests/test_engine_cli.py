@@ -89,6 +89,16 @@ def test_cli_generate_json(tiny_checkpoint, capsys):
     assert out["decoder"] == "low_confidence" and out["block_size"] == 4
 
 
+def test_cli_generate_self_spec_lookup_is_ar(tiny_checkpoint, capsys):
+    args = ["generate", "-m", str(tiny_checkpoint), "-p", "a b a b a b a b", "--json",
+            "--max-tokens", "12", "--dtype", "float32"]  # fmt: skip
+    assert main(args + ["--decoder", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert main(args + ["--decoder", "self_spec", "--block-size", "4", "--draft", "lookup"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["text"] == ar["text"] and spec["draft"] == "lookup"
+
+
 def test_cli_info_json(tiny_checkpoint, capsys):
     assert main(["info", str(tiny_checkpoint), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -137,3 +137,26 @@ def test_llama3_rope_scaling_keeps_high_frequencies():
     scaled = rope_inv_freq(128, 500000.0, scaling)
     assert torch.allclose(scaled[:8], base[:8])  # short wavelengths untouched
     assert torch.allclose(scaled[-4:], base[-4:] / 8)  # long ones slowed by the factor
+
+
+def test_bfloat16_on_cpu_attends_in_float32_over_a_float32_cache():
+    """The fast path (16-bit weights, float32 K/V and attention on CPU) against the reference
+    (the same bfloat16 weights, all in float32): the fast path is closer to it than bf16
+    attention over the whole sequence is."""
+    from clover.models.cache import kv_dtype
+
+    ref = tiny_model(4)
+    half = tiny_model(4).to(torch.bfloat16)
+    ref.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    assert kv_dtype(half.model.embed_tokens.weight) == torch.float32
+    assert kv_dtype(ref.model.embed_tokens.weight) == torch.float32
+    ids = torch.randint(0, 64, (2, 20))
+    cache = half.make_cache(2)
+    assert cache.layers[0].k.dtype == torch.float32
+    parts = [logits(half, ids[:, a:b], cache) for a, b in [(0, 12), (12, 13), (13, 20)]]
+    fast = torch.cat(parts, 1).float()
+    want = logits(ref, ids)
+    plain = logits(half, ids).float()  # no cache: bf16 attention
+    err_fast, err_plain = (fast - want).abs().max(), (plain - want).abs().max()
+    assert err_fast <= err_plain + 1e-3
+    assert err_fast < 0.1 * want.abs().max()

@@ -129,3 +129,61 @@ def test_shipped_model_is_the_base_model_under_self_spec():
         assert (
             ours.chat(messages, max_tokens=24, decoder="self_spec", block_size=4).token_ids == want
         )
+
+
+# --- context-lookup drafts ---------------------------------------------------------------------
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence():
+    from clover.decoding.rows import NgramIndex
+
+    idx = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    assert idx.draft(3) == []  # suffix (5, 6) never occurred before
+    idx.extend([1, 2, 3])
+    # suffix (1, 2, 3): its only earlier occurrence is at the start, followed by 4, 9, 2
+    assert idx.draft(3) == [4, 9, 2]
+    idx.extend([7, 2, 3])
+    # no earlier (7, 2, 3); the latest earlier (2, 3) is the one just before: followed by 7
+    assert idx.draft(2) == [7, 2]
+    assert idx.draft(0) == []
+    assert NgramIndex([4, 4, 4]).draft(5) == [4]  # the draft stops where the context ends
+
+
+@pytest.mark.parametrize("draft", ["lookup", "mask+lookup"])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block", [2, 5])
+def test_lookup_drafts_are_exact_batched(draft, seed, block):
+    model = tiny_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    # repetitive prompts, so the context has matches to draft from
+    prompts = [(torch.randint(4, 12, (n,), generator=g).tolist() * 3) for n in (2, 3, 5)]
+    ar, _ = run(model, prompts, make_policy("ar"), eos_token_ids=[1])
+    spec, _ = run(model, prompts, SelfSpec(block, draft=draft), eos_token_ids=[1])
+    for a, s in zip(ar, spec):
+        assert s.tokens == a.tokens
+        assert s.finish_reason == a.finish_reason
+
+
+def test_lookup_accepts_repeats_and_needs_no_mask_token():
+    script = [9, 10, 11, 12, 13] * 6
+    model = ScriptedModel(prompt_len=2, script=script, conf=[0.9] * 30)
+    model.config.mask_token_id = None  # a plain AR model: lookup drafting needs no [MASK]
+    ar, _ = run(model, [[5, 6]], make_policy("ar"), max_new=30)
+    (res,), events = run(model, [[5, 6]], SelfSpec(block_size=4, draft="lookup"), max_new=30)
+    assert res.tokens == ar[0].tokens == script
+    # the first 5 tokens have no earlier occurrence; after that every pass keeps a 3-token draft
+    assert res.nfe < ar[0].nfe / 2
+    assert max(len(e.commits) for e in events) == 4
+    with pytest.raises(CloverError, match="draft lookup"):
+        run(model, [[5, 6]], SelfSpec(block_size=4), max_new=4)
+    with pytest.raises(CloverError, match="draft 'ngram'"):
+        SelfSpec(block_size=4, draft="ngram")
+
+
+def test_lookup_with_sampling_top_k_one_equals_greedy():
+    model = tiny_model(2)
+    prompt = [5, 6, 7, 8] * 3
+    ar, _ = run(model, [prompt], make_policy("ar"))
+    s = SamplingParams(temperature=0.7, top_k=1, seed=3)
+    spec, _ = run(model, [prompt], SelfSpec(block_size=4, draft="mask+lookup"), sampling=s)
+    assert spec[0].tokens == ar[0].tokens

@@ -72,6 +72,7 @@ def test_chat_defaults_and_overrides():
         "model": "m", "messages": [{"role": "developer", "content": parts}],
         "max_completion_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 2**40,
         "stop": "x", "block_size": 4, "threshold": 1, "decoder": "ar", "stream": True,
+        "draft": "lookup",
         "stream_options": {"include_usage": True},
         "chat_template_kwargs": {"enable_thinking": True},
     }  # fmt: skip
@@ -80,6 +81,9 @@ def test_chat_defaults_and_overrides():
     s = req.settings
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.stop) == (5, 0.5, 0.9, 0, ("x",))
     assert (s.block_size, s.threshold, s.decoder, req.include_usage) == (4, 1.0, "ar", True)
+    assert s.draft == "lookup"
+    with pytest.raises(APIError, match="draft must be one of"):
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "draft": "ngram"}, LIMITS)
     assert 0 <= s.seed < 2**31 and req.template_kwargs == {"enable_thinking": True}
 
 

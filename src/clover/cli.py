@@ -40,6 +40,12 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="positions per block (default: the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="commit confidence (0.95)")
     p.add_argument("--refine-steps", type=int, default=0, help="self_spec draft refinements")
+    p.add_argument(
+        "--draft",
+        choices=["mask", "lookup", "mask+lookup"],
+        help="self_spec draft source: the masked block, context n-gram lookup, or both "
+        "(default: the model's)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -61,6 +67,7 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
         seed=a.seed,
         stop=tuple(a.stop),
         refine_steps=a.refine_steps,
+        draft=a.draft,
     )
 
 
@@ -124,10 +131,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.json:
         stats.update(decoder=settings.decoder, block_size=settings.block_size)
         stats["threshold"] = settings.threshold
+        if settings.decoder == "self_spec":
+            stats["draft"] = settings.draft
         print(json.dumps(stats))
     elif a.verbose:
+        how = f"draft {settings.draft}" if settings.decoder == "self_spec" else "threshold"
+        if how == "threshold":
+            how = f"threshold {settings.threshold}"
         print(
-            f"[{settings.decoder}, block {settings.block_size}, threshold {settings.threshold}] "
+            f"[{settings.decoder}, block {settings.block_size}, {how}] "
             f"{c.output_tokens} tokens, NFE {c.nfe}, TPF {c.tpf:.2f}, "
             f"{c.tokens_per_s:.1f} tok/s, load {llm.load_seconds:.2f}s, "
             f"peak RSS {stats['peak_rss_mb']:.0f} MB, finish {c.finish_reason}",
@@ -212,6 +224,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         "mask_token_id": config.mask_token_id,
         "default_decoder": config.default_decoder,
         "block_size": config.block_size,
+        "draft": config.draft,
         "license": license_,
     }
     if a.plan:

@@ -51,6 +51,7 @@ class GenerationSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     refine_steps: int = 0  # self_spec: refinement passes over each fresh draft
+    draft: str | None = None  # self_spec draft source: mask, lookup or mask+lookup
     # makes a fresh LogitsConstraint for each answer (clover.decoding.constraints), or None
     constraint: Callable[[], object] | None = field(default=None, compare=False)
 
@@ -230,6 +231,7 @@ class LLM:
             settings,
             decoder=settings.decoder or self.config.default_decoder,
             block_size=settings.block_size or self.config.block_size,
+            draft=settings.draft or self.config.draft,
         )
 
     # --- prompts -------------------------------------------------------------------------------
@@ -257,7 +259,7 @@ class LLM:
     ) -> Iterator[TextDelta]:
         """Text deltas per row as tokens become final; `completions` is filled at the end."""
         s = self.default_settings(settings)
-        policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)
+        policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps, s.draft)
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
         texts = [TextStream(self.tokenizer, s.stop) for _ in prompts]
         results: list[RowResult] = []

@@ -2,8 +2,10 @@
 results files.
 
 A config string is `decoder[:block[:threshold]]`: `ar`, `low_confidence:32:0.95`,
-`self_spec:4`. It is what the CLI takes and what the results files use as row names, so a
-row in a JSON file can be pasted back onto the command line.
+`self_spec:4`; a self_spec draft source other than the block's masks is a third field:
+`self_spec:4:lookup`, `self_spec:4:mask+lookup`. It is what the CLI takes and what the
+results files use as row names, so a row in a JSON file can be pasted back onto the command
+line.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from clover.errors import CloverError
 
 DECODERS = ("ar", "low_confidence", "self_spec")
+DRAFTS = ("mask", "lookup", "mask+lookup")
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,15 @@ class DecoderConfig:
     decoder: str = "ar"
     block_size: int = 1
     threshold: float = 0.95
+    draft: str = "mask"  # self_spec only
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
             raise CloverError(f"decoder {self.decoder!r}: choose one of {', '.join(DECODERS)}")
         if self.decoder == "ar" and self.block_size != 1:
             raise CloverError("ar has no block size")
+        if self.draft not in DRAFTS or (self.draft != "mask" and self.decoder != "self_spec"):
+            raise CloverError(f"draft {self.draft!r}: self_spec takes one of {', '.join(DRAFTS)}")
 
     @classmethod
     def parse(cls, text: str) -> DecoderConfig:
@@ -45,12 +51,14 @@ class DecoderConfig:
             if parts[0] == "low_confidence" and len(parts) in (2, 3):
                 threshold = float(parts[2]) if len(parts) == 3 else 0.95
                 return cls("low_confidence", int(parts[1]), threshold)
-            if parts[0] == "self_spec" and len(parts) == 2:
-                return cls("self_spec", int(parts[1]))
+            if parts[0] == "self_spec" and len(parts) in (2, 3):
+                draft = parts[2] if len(parts) == 3 else "mask"
+                return cls("self_spec", int(parts[1]), draft=draft)
         except ValueError:
             pass
         raise CloverError(
-            f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD] or self_spec:BLOCK"
+            f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD] or "
+            f"self_spec:BLOCK[:{'|'.join(DRAFTS)}]"
         )
 
     @property
@@ -58,7 +66,8 @@ class DecoderConfig:
         if self.decoder == "ar":
             return "ar"
         if self.decoder == "self_spec":
-            return f"self_spec:{self.block_size}"
+            tail = "" if self.draft == "mask" else f":{self.draft}"
+            return f"self_spec:{self.block_size}{tail}"
         return f"low_confidence:{self.block_size}:{self.threshold:g}"
 
     def settings(self, max_tokens: int) -> object:
@@ -69,12 +78,13 @@ class DecoderConfig:
             block_size=self.block_size,
             threshold=self.threshold,
             max_tokens=max_tokens,
+            draft=self.draft,
         )
 
     def policy(self) -> object:
         from clover.decoding.policies import make_policy
 
-        return make_policy(self.decoder, self.block_size, self.threshold)
+        return make_policy(self.decoder, self.block_size, self.threshold, draft=self.draft)
 
 
 def parse_configs(text: str | list[str]) -> list[DecoderConfig]:

@@ -59,13 +59,20 @@ class LowConfidence(Policy):
         return confidence >= self.threshold
 
 
+DRAFTS = ("mask", "lookup", "mask+lookup")
+
+
 @dataclass(frozen=True)
 class SelfSpec(Policy):
     """Lossless self-speculation: draft block_size - 1 tokens per pass, verify them causally
-    in the next pass (fused with the next draft), keep exactly what AR decoding would."""
+    in the next pass (fused with the next draft), keep exactly what AR decoding would.
+    `draft` is where drafts come from: the masked block ("mask"), earlier occurrences of the
+    current suffix in prompt + answer ("lookup"), or a context match when there is one and
+    the block otherwise ("mask+lookup"); see `rows.SpecRow`."""
 
     block_size: int = 32
     refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified
+    draft: str = "mask"
     name: str = "self_spec"
     speculative = True
 
@@ -75,18 +82,28 @@ class SelfSpec(Policy):
             raise CloverError("self_spec needs block_size >= 2 (one AR token + drafts)")
         if not isinstance(self.refine_steps, int) or self.refine_steps < 0:
             raise CloverError(f"refine_steps must be >= 0, got {self.refine_steps!r}")
+        if self.draft not in DRAFTS:
+            raise CloverError(f"draft {self.draft!r}: choose one of {', '.join(DRAFTS)}")
+
+    @property
+    def needs_mask(self) -> bool:
+        return "mask" in self.draft
 
 
 DECODERS = ("ar", "low_confidence", "self_spec")
 
 
 def make_policy(
-    name: str, block_size: int = 32, threshold: float = 0.95, refine_steps: int = 0
+    name: str,
+    block_size: int = 32,
+    threshold: float = 0.95,
+    refine_steps: int = 0,
+    draft: str = "mask",
 ) -> Policy:
     if name == "ar":
         return Policy()
     if name == "low_confidence":
         return LowConfidence(block_size=block_size, threshold=threshold)
     if name == "self_spec":
-        return SelfSpec(block_size=block_size, refine_steps=refine_steps)
+        return SelfSpec(block_size=block_size, refine_steps=refine_steps, draft=draft)
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")

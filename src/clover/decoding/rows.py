@@ -13,6 +13,10 @@ in one call, and hands each row its slice. Two kinds of row cover every decoder:
   accepted the masked block's outputs become the next draft. Every pass yields >= 1 token and
   the output is exactly AR decoding (greedy: identical tokens; sampling: the same
   distribution, since a draft token is accepted only when it equals the AR sample).
+  Drafts come from the masked block (`draft="mask"`, needs a block-diffusion model or a draft
+  adapter), from the context (`"lookup"`: the tokens that followed the last earlier occurrence
+  of the current 3- or 2-token suffix in prompt + answer; any AR model, no masks in the pass)
+  or from both (`"mask+lookup"`: a context match when there is one, else the block's draft).
 
 Token shift is assumed where noted: the output at position i predicts position i + 1.
 
@@ -204,6 +208,36 @@ class BlockRow(Row):
         return None if self.block else (super().finish_reason(eos) or "length")
 
 
+class NgramIndex:
+    """Where each 2- and 3-token n-gram of a token list last occurred (the position of the
+    token that followed it), kept current as tokens are appended: a lookup is a dict read."""
+
+    SIZES = (3, 2)  # longest first: a longer match is the better guess
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            j = len(self.tokens)  # t's position: it follows the n-grams ending at j - 1
+            for n in self.SIZES:
+                if j >= n:
+                    self.after[tuple(self.tokens[j - n : j])] = j
+            self.tokens.append(t)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the current suffix."""
+        if k < 1:
+            return []
+        for n in self.SIZES:
+            j = self.after.get(tuple(self.tokens[-n:])) if len(self.tokens) >= n else None
+            if j is not None:
+                return self.tokens[j : j + k]
+        return []
+
+
 class SpecRow(Row):
     """self_spec: draft a block, verify it causally next pass, keep what AR would write.
 
@@ -211,12 +245,17 @@ class SpecRow(Row):
     the draft is fed as a bidirectional block behind the last certain token, whose causal
     output gives the next AR token (so a refinement pass still yields one exact token) while
     the block outputs re-predict the rest of the draft with the whole draft in view.
+    Context-lookup drafts (`policy.draft` with "lookup") are never refined.
     """
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.draft: list[int] = []
         self.refine_left = 0
+        self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
+        self.context = NgramIndex(self.pending) if "lookup" in self.policy.draft else None
+        self.lookup_tokens = 0  # drafted tokens that came from the context, and were kept
+        self.lookup_kept = 0
 
     @property
     def refining(self) -> bool:
@@ -225,7 +264,13 @@ class SpecRow(Row):
     def plan(self, mask_id: int) -> tuple[list[int], int]:
         if self.refining:  # [certain | draft as a block]
             return self.pending + self.draft, len(self.pending)
-        masks = [mask_id] * self.policy.block_size
+        self._from_context = False
+        if self.context is not None:
+            room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
+            found = self.context.draft(min(self.policy.block_size - 1, room))
+            if found:  # a context match beats the block's guess
+                self.draft, self._from_context = found, True
+        masks = [mask_id] * self.policy.block_size if self.masks else []
         return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
 
     def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
@@ -236,6 +281,8 @@ class SpecRow(Row):
             return [hidden[n_commit - 1]] + list(hidden[n_commit : n_commit + len(self.draft) - 1])
         verify = hidden[len(self.pending) - 1 : n_commit]
         self._n_verify = len(verify)
+        if not self.masks:
+            return list(verify)
         draft = hidden[n_commit : n_commit + self.policy.block_size - 1]  # next draft
         return list(verify) + list(draft)
 
@@ -256,11 +303,14 @@ class SpecRow(Row):
                 continue
             token = tok
             break
+        if self._from_context:
+            self.lookup_tokens += len(self.draft)
+            self.lookup_kept += accepted
         rollback = len(self.draft) - accepted
         new = self.draft[:accepted] + [token]
         start = self._append(new)
         room = self.max_new - len(self.answer) - 1  # the next pass always adds one AR token
-        if rollback == 0 and room > 0 and first_eos(new, eos) is None:
+        if self.masks and rollback == 0 and room > 0 and first_eos(new, eos) is None:
             self.draft = drafted.argmax(-1).tolist()[:room]
             self.refine_left = self.policy.refine_steps
         else:
@@ -285,4 +335,6 @@ class SpecRow(Row):
         self.answer += new
         self.answer_steps += [self.steps] * len(new)
         self.pending = [new[-1]]
+        if self.context is not None:
+            self.context.extend(new)
         return start

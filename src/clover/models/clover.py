@@ -21,7 +21,7 @@ from torch import nn
 
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
-from clover.models.cache import KVCache, LayerCache
+from clover.models.cache import KVCache, LayerCache, kv_dtype
 from clover.models.gdn import GatedDeltaNet
 from clover.models.layers import ZeroRMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout
@@ -68,6 +68,7 @@ class CloverConfig(ConfigMixin):
     shifted: bool = True
     default_decoder: str = "low_confidence"
     block_size: int = 32
+    draft: str = "mask"  # where self_spec drafts come from (decoding.policies.DRAFTS)
     block_coreset: int = 0  # experts per block during previews; 0 = per-token routing
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -110,6 +111,8 @@ class CloverConfig(ConfigMixin):
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
         if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
+        if self.draft not in ("mask", "lookup", "mask+lookup"):
+            raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
 
     @property
     def rotary_dim(self) -> int:
@@ -250,7 +253,7 @@ class CloverModel(DiffusionLM):
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         c = self.config
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = kv_dtype(self.model.embed_tokens.weight)
         caches: list[LayerCache] = []
         for layer in self.model.layers:
             if layer.kind == "linear_attention":

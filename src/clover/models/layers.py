@@ -77,12 +77,16 @@ def attend(
     layout: StepLayout,
     cache: KVCache | None,
 ) -> torch.Tensor:
-    """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D] under the layout's mask."""
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D] under the layout's mask.
+    With a cache, attention runs in the cache's dtype (float32 on CPU: `cache.kv_dtype`)."""
+    dtype = q.dtype
     if cache is not None:
         k, v = cache.write(k, v, layout)
-    return F.scaled_dot_product_attention(
+        q = q.to(k.dtype)
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=layout.mask, enable_gqa=q.shape[1] != k.shape[1]
     )
+    return out.to(dtype)
 
 
 class SwiGLU(nn.Module):

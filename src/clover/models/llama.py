@@ -17,7 +17,7 @@ from torch import nn
 
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
-from clover.models.cache import KVCache, LayerCache
+from clover.models.cache import KVCache, LayerCache, kv_dtype
 from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout
 
@@ -52,6 +52,7 @@ class LlamaConfig(ConfigMixin):
     shifted: bool = True
     default_decoder: str = "low_confidence"
     block_size: int = 32
+    draft: str = "mask"  # where self_spec drafts come from (decoding.policies.DRAFTS)
     extra: dict = field(default_factory=dict, repr=False)  # unknown keys, kept for saving
 
     def __post_init__(self) -> None:
@@ -94,6 +95,8 @@ class LlamaConfig(ConfigMixin):
             raise CloverError(f"config: eos_token_id {self.eos_token_id} outside the vocabulary")
         if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
+        if self.draft not in ("mask", "lookup", "mask+lookup"):
+            raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates scaling
 
     def to_dict(self) -> dict:
@@ -184,7 +187,7 @@ class LlamaModel(DiffusionLM):
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         c = self.config
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = kv_dtype(self.model.embed_tokens.weight)
         return [
             KVCache(batch_size, c.num_key_value_heads, c.head_dim, dtype)
             for _ in range(c.num_hidden_layers)

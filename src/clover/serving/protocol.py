@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from clover.decoding.policies import DECODERS
+from clover.decoding.policies import DECODERS, DRAFTS
 from clover.engine import GenerationSettings
 from clover.errors import CloverError
 from clover.serving.errors import APIError, bad_request
@@ -225,6 +225,9 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
     decoder = body.get("decoder", d.decoder)
     if decoder is not None and decoder not in DECODERS:
         raise bad_request(f"decoder must be one of: {', '.join(DECODERS)}", "decoder")
+    draft = body.get("draft", d.draft)
+    if draft is not None and draft not in DRAFTS:
+        raise bad_request(f"draft must be one of: {', '.join(DRAFTS)}", "draft")
     top_k = _int(body, "top_k", -1)
     seed = _int(body, "seed", -MAX_SEED, MAX_SEED - 1)
     settings = GenerationSettings(
@@ -238,6 +241,7 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         seed=None if seed is None else seed % 2**31,  # the decoder's generator wants it small
         stop=_stops(body.get("stop")),
         refine_steps=_pick(_int(body, "refine_steps", 0, 8), d.refine_steps),
+        draft=draft,
     )
     return dict(
         model=model,

@@ -88,7 +88,7 @@ class Scheduler:
 
     def submit(self, prompt: list[int], settings: GenerationSettings, n: int = 1) -> Ticket:
         s = self.llm.default_settings(settings)
-        make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)  # validate now
+        make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps, s.draft)  # validate now
         SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
         with self._lock:
             if self._stopping:
@@ -141,7 +141,7 @@ class Scheduler:
             if t.cancelled:
                 continue
             s = t.settings
-            policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps)
+            policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps, s.draft)
             sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
             try:
                 for choice in range(t.n):
