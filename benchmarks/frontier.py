@@ -2,7 +2,8 @@
 
 Runs `clover.bench.quality.run_quality` on one loaded model (the base GGUF + a draft adapter)
 for `ar` (the base model decoded causally: with a draft adapter the causal path *is* the base),
-`self_spec` at several block sizes (lossless: the base's AR answer, faster or not) and
+`self_spec` at several block sizes (lossless: the base's AR answer, faster or not), drafting
+from the masked block, from context n-gram lookup or both, and
 `low_confidence` for block {4, 8, 16, 32} x threshold {0.7, 0.8, 0.9, 0.95}. Items: checkable
 suite items (code / math / fact, `benchmarks/suites/quality.jsonl`) plus held-out prompts of the
 distillation set (never trained on) as open items. Settings are interleaved batch by batch.
@@ -24,7 +25,9 @@ from clover.bench.quality import CHECKED, load_suite, run_quality
 from clover.engine import LLM
 
 LOW_CONF = [f"low_confidence:{b}:{t}" for b in (4, 8, 16, 32) for t in (0.7, 0.8, 0.9, 0.95)]
-DEFAULT = ["ar", "self_spec:3", "self_spec:4", "self_spec:6"] + LOW_CONF
+SPEC = ["self_spec:2", "self_spec:3", "self_spec:4"]
+SPEC += ["self_spec:4:lookup", "self_spec:3:mask+lookup"]
+DEFAULT = ["ar"] + SPEC + LOW_CONF
 
 
 def heldout_items(data: Path, n: int) -> list[dict]:
@@ -56,8 +59,10 @@ def plot(report: dict, path: Path) -> None:
 
     s = report["summary"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, xkey, xlabel in ((axes[0], "tpf", "tokens per forward (TPF)"),
-                             (axes[1], "tokens_per_s", "output tokens/s (batch 8)")):  # fmt: skip
+    batch = report["settings"]["batch_size"]
+    axes_spec = [(axes[0], "tpf", "tokens per forward (TPF)"),
+                 (axes[1], "tokens_per_s", f"output tokens/s (batch {batch})")]  # fmt: skip
+    for ax, xkey, xlabel in axes_spec:
         for name, row in s.items():
             q = row["quality"]
             colour = "#555" if name == "ar" else "#2a7a3b" if "self_spec" in name else "#c05a1a"
@@ -111,11 +116,13 @@ def main() -> int:
     plot(report, out / f"frontier-{label}.png")
     rows = sorted(report["summary"].items(), key=lambda kv: -kv[1]["tpf"])
     print(f"{'setting':28} {'TPF':>5} {'tok/s':>6} {'xAR':>5} {'acc':>5} {'rel':>5} "
-          f"{'agree':>5} {'rep4':>5}")  # fmt: skip
+          f"{'agree':>5} {'rep4':>5}  drafts kept/drafted")  # fmt: skip
     for name, r in rows:
+        drafts = " ".join(f"{k} {d['kept']}/{d['drafted']}" for k, d in r["drafts"].items())
         print(f"{name:28} {r['tpf']:5.2f} {r['tokens_per_s']:6.1f} {r['speed_vs_ar']:5.2f} "
               f"{r['quality']:5.2f} {r['relative_quality'] or 0:5.2f} "
-              f"{r['agreement_with_ar']:5.2f} {r['repetition']['all'] or 0:5.3f}")  # fmt: skip
+              f"{r['agreement_with_ar']:5.2f} {r['repetition']['all'] or 0:5.3f}  "
+              f"{drafts}")  # fmt: skip
     print(f"wrote {path}")
     print(json.dumps({"items": len(items)}))
     return 0

@@ -145,13 +145,18 @@ ITEMS = [
 
 
 def test_run_quality_on_tiny_model(llm):
-    configs = parse_configs("low_confidence:4:0.9,self_spec:2")
+    configs = parse_configs("low_confidence:4:0.9,self_spec:2,self_spec:3:mask+lookup")
     out = run_quality(llm, configs, ITEMS, max_tokens=6, batch_size=2, reference=llm)
-    assert out["settings"]["configs"] == ["ar", "low_confidence:4:0.9", "self_spec:2"]
+    assert out["settings"]["configs"] == [
+        "ar", "low_confidence:4:0.9", "self_spec:2", "self_spec:3:mask+lookup"
+    ]  # fmt: skip
     ar = out["summary"]["ar"]
-    assert ar["agreement_with_ar"] == 1.0 and ar["tpf"] <= 1.0
-    # self_spec is AR-exact in float32, batched or not
-    assert out["summary"]["self_spec:2"]["agreement_with_ar"] == 1.0
+    assert ar["agreement_with_ar"] == 1.0 and ar["tpf"] <= 1.0 and ar["drafts"] == {}
+    # self_spec is AR-exact in float32, batched or not, whatever its drafts
+    for name in ("self_spec:2", "self_spec:3:mask+lookup"):
+        assert out["summary"][name]["agreement_with_ar"] == 1.0
+    mask = out["summary"]["self_spec:2"]["drafts"]["mask"]
+    assert mask["drafted"] > 0 and 0 <= mask["kept"] <= mask["drafted"]
     for s in out["summary"].values():
         assert set(s["accuracy"]) == {"code", "math", "fact", "all_checked"}
         assert s["fluency_nll"]["open"] > 0 and 0 <= s["repetition"]["all"] <= 1

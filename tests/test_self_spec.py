@@ -69,6 +69,7 @@ def test_perfect_drafts_give_block_size_tokens_per_pass():
     # pass 1: AR token + a 3-token draft; then each pass verifies 3 and adds 1
     assert [len(e.commits) for e in events] == [1] + [4] * 5 + [3]
     assert res.nfe == 7
+    assert res.drafts == {"mask": [17, 17]}  # 5 drafts of 3 + a last one of 2 (budget)
 
 
 def test_sampling_with_top_k_one_equals_greedy():
@@ -174,6 +175,9 @@ def test_lookup_accepts_repeats_and_needs_no_mask_token():
     # the first 5 tokens have no earlier occurrence; after that every pass keeps a 3-token draft
     assert res.nfe < ar[0].nfe / 2
     assert max(len(e.commits) for e in events) == 4
+    drafted, kept = res.drafts["lookup"]
+    assert "mask" not in res.drafts and 0 < kept <= drafted
+    assert len(res.tokens) == kept + sum(len(e.commits) > 0 for e in events)  # + 1 AR per pass
     with pytest.raises(CloverError, match="draft lookup"):
         run(model, [[5, 6]], SelfSpec(block_size=4), max_new=4)
     with pytest.raises(CloverError, match="draft 'ngram'"):

@@ -65,6 +65,7 @@ class Completion:
     nfe: int
     seconds: float
     steps: list[int] = field(default_factory=list)  # denoising step that committed each token
+    drafts: dict = field(default_factory=dict)  # self_spec: source -> [drafted, kept] tokens
 
     @property
     def output_tokens(self) -> int:
@@ -293,6 +294,7 @@ class LLM:
                     nfe=r.nfe,
                     seconds=seconds,
                     steps=r.steps,
+                    drafts=r.drafts,
                 )
                 for i, r in enumerate(results)
             ]

@@ -170,7 +170,7 @@ def run_quality(
     configs = [ar] + [c for c in configs if c != ar]
     prompts = [llm.chat_prompt([{"role": "user", "content": it["prompt"]}]) for it in items]
     outputs: list[dict] = [{} for _ in items]
-    totals = {c.name: {"tokens": 0, "nfe": 0, "seconds": 0.0} for c in configs}
+    totals = {c.name: {"tokens": 0, "nfe": 0, "seconds": 0.0, "drafts": {}} for c in configs}
     traces: dict[str, dict] = {}
     trace_at = next((i for i, it in enumerate(items) if it["kind"] == "open"), 0)
     for start in range(0, len(items), batch_size):
@@ -188,6 +188,9 @@ def run_quality(
             for i, c in zip(batch, completions):
                 tot["tokens"] += c.output_tokens
                 tot["nfe"] += c.nfe
+                for source, (drafted, kept) in c.drafts.items():
+                    tally = tot["drafts"].setdefault(source, [0, 0])
+                    tally[0], tally[1] = tally[0] + drafted, tally[1] + kept
                 outputs[i][config.name] = {
                     "text": c.text,
                     "token_ids": c.token_ids,
@@ -279,4 +282,15 @@ def _summarize(name: str, per_item: list[dict], total: dict) -> dict:
         "tpf": round(total["tokens"] / total["nfe"], 3) if total["nfe"] else None,
         "tokens_per_s": round(total["tokens"] / total["seconds"], 2) if total["seconds"] else None,
         "seconds": round(total["seconds"], 2),
+        # self_spec: tokens drafted per source, how many verification kept, and their share of
+        # the output (the rest are the one AR token every pass yields)
+        "drafts": {
+            source: {
+                "drafted": d,
+                "kept": k,
+                "kept_rate": round(k / d, 3) if d else None,
+                "share_of_output": round(k / total["tokens"], 3) if total["tokens"] else None,
+            }
+            for source, (d, k) in sorted(total["drafts"].items())
+        },
     }

@@ -46,6 +46,8 @@ class RowResult:
     steps: list[int] = field(default_factory=list)  # step that committed each token
     nfe: int = 0
     finish_reason: str | None = None
+    # self_spec: per draft source ("mask", "lookup"), [tokens drafted, tokens kept]
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def tpf(self) -> float:
@@ -254,8 +256,6 @@ class SpecRow(Row):
         self.refine_left = 0
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self.context = NgramIndex(self.pending) if "lookup" in self.policy.draft else None
-        self.lookup_tokens = 0  # drafted tokens that came from the context, and were kept
-        self.lookup_kept = 0
 
     @property
     def refining(self) -> bool:
@@ -303,9 +303,11 @@ class SpecRow(Row):
                 continue
             token = tok
             break
-        if self._from_context:
-            self.lookup_tokens += len(self.draft)
-            self.lookup_kept += accepted
+        if self.draft:
+            source = "lookup" if self._from_context else "mask"
+            tally = self.result.drafts.setdefault(source, [0, 0])
+            tally[0] += len(self.draft)
+            tally[1] += accepted
         rollback = len(self.draft) - accepted
         new = self.draft[:accepted] + [token]
         start = self._append(new)
