@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from clover.engine import GenerationSettings
+from clover.errors import CloverError
 from clover.serving.errors import APIError
 from clover.serving.metrics import Metrics
 from clover.serving.protocol import Limits, fit, parse_chat, parse_completion, parse_json
@@ -161,3 +162,11 @@ def test_nothing_from_a_request_is_unpickled():
         code = source.read_text()
         unsafe = r"^\s*(import|from)\s+(pickle|dill|joblib)\b|pickle\.loads?\(|torch\.load\("
         assert not re.search(unsafe, code, re.M), source.name
+
+
+def test_serve_options_check_the_draft_source():
+    from clover.serving.options import ServeOptions
+
+    ServeOptions(decoder="self_spec", draft="lookup").check()
+    with pytest.raises(CloverError, match="--draft must be one of"):
+        ServeOptions(draft="ngram").check()

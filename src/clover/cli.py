@@ -307,6 +307,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         decoder=a.decoder,
         block_size=a.block_size,
         threshold=a.threshold,
+        draft=a.draft,
         max_tokens=a.max_tokens,
         shutdown_grace=a.shutdown_grace,
         access_log=a.access_log,
@@ -332,6 +333,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, help="default positions per block (the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="default commit confidence")
+    p.add_argument(
+        "--draft", choices=["mask", "lookup", "mask+lookup"], help="default self_spec draft source"
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="when a request sets none (256)")
     p.add_argument(
         "--shutdown-grace", type=float, default=30.0, help="seconds to finish answers on SIGTERM"

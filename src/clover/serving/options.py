@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clover.decoding.policies import DECODERS
+from clover.decoding.policies import DECODERS, DRAFTS
 from clover.engine import DEFAULT_MODEL
 from clover.errors import CloverError
 
@@ -25,6 +25,7 @@ class ServeOptions:
     decoder: str | None = None  # None: the model's default
     block_size: int | None = None
     threshold: float = 0.95
+    draft: str | None = None  # self_spec draft source; None: the model's default
     max_tokens: int = 256  # when a request does not say
     shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     access_log: bool = False
@@ -42,6 +43,8 @@ class ServeOptions:
             raise CloverError("--max-body-bytes must be at least 1024")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
+        if self.draft is not None and self.draft not in DRAFTS:
+            raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
         if self.block_size is not None and self.block_size < 1:
             raise CloverError("--block-size must be >= 1")
         if not 0 <= self.threshold <= 1:
