@@ -148,8 +148,7 @@ def test_bfloat16_on_cpu_attends_in_float32_over_a_float32_cache():
     ref = tiny_model(4)
     half = tiny_model(4).to(torch.bfloat16)
     ref.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
-    assert kv_dtype(half.model.embed_tokens.weight) == torch.float32
-    assert kv_dtype(ref.model.embed_tokens.weight) == torch.float32
+    assert kv_dtype(half) == kv_dtype(ref) == torch.float32
     ids = torch.randint(0, 64, (2, 20))
     cache = half.make_cache(2)
     assert cache.layers[0].k.dtype == torch.float32
@@ -160,3 +159,5 @@ def test_bfloat16_on_cpu_attends_in_float32_over_a_float32_cache():
     err_fast, err_plain = (fast - want).abs().max(), (plain - want).abs().max()
     assert err_fast <= err_plain + 1e-3
     assert err_fast < 0.1 * want.abs().max()
+    half.kv_cache_dtype = torch.bfloat16  # the override: the bf16 cache of before
+    assert half.make_cache(1).layers[0].k.dtype == torch.bfloat16

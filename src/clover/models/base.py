@@ -52,6 +52,7 @@ class DiffusionLM(nn.Module):
     their output projection at `lm_head`."""
 
     config: object  # the architecture's config dataclass
+    kv_cache_dtype: torch.dtype | None = None  # None: `cache.kv_dtype`'s rule
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         raise NotImplementedError

@@ -253,7 +253,7 @@ class CloverModel(DiffusionLM):
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         c = self.config
-        dtype = kv_dtype(self.model.embed_tokens.weight)
+        dtype = kv_dtype(self)
         caches: list[LayerCache] = []
         for layer in self.model.layers:
             if layer.kind == "linear_attention":

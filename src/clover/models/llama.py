@@ -187,7 +187,7 @@ class LlamaModel(DiffusionLM):
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         c = self.config
-        dtype = kv_dtype(self.model.embed_tokens.weight)
+        dtype = kv_dtype(self)
         return [
             KVCache(batch_size, c.num_key_value_heads, c.head_dim, dtype)
             for _ in range(c.num_hidden_layers)
