@@ -137,11 +137,13 @@ def test_transformers_loads_the_export(exported, hf_model, source):
     assert tokenizer("hello world")["input_ids"] == source.encode("hello world")
 
 
-@pytest.mark.parametrize("decoder", ["ar", "low_confidence"])
-def test_diffusion_generate_equals_our_loop(hf_model, source, decoder):
+@pytest.mark.parametrize(
+    ("decoder", "draft"), [("ar", "mask"), ("low_confidence", "mask"), ("self_spec", "lookup")]
+)
+def test_diffusion_generate_equals_our_loop(hf_model, source, decoder, draft):
     prompts = [source.encode(p) for p in PROMPTS]
     results = []
-    policy = make_policy(decoder, 4, 0.9)
+    policy = make_policy(decoder, 4, 0.9, draft=draft)
     for _ in generate(
         source.model,
         prompts,
@@ -155,7 +157,7 @@ def test_diffusion_generate_equals_our_loop(hf_model, source, decoder):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = hf_model.diffusion_generate(
-        ids, mask, max_new_tokens=10, decoder=decoder, block_size=4, threshold=0.9
+        ids, mask, max_new_tokens=10, decoder=decoder, block_size=4, threshold=0.9, draft=draft
     )
     assert torch.equal(out[:, :width], ids)
     pad = source.eos_token_ids[0]

@@ -80,6 +80,7 @@ def _write_checkpoint(llm: object, target: Path, dtype: str) -> None:
         "decoder": defaults.decoder,
         "block_size": defaults.block_size,
         "threshold": defaults.threshold,
+        "draft": defaults.draft,
         "max_new_tokens": defaults.max_tokens,
         "mask_token_id": c.mask_token_id,
         "eos_token_id": llm.eos_token_ids,  # config's and tokenizer's end-of-turn ids

@@ -131,6 +131,7 @@ class CloverForCausalLM(PreTrainedModel):
         decoder: str | None = None,
         block_size: int | None = None,
         threshold: float | None = None,
+        draft: str | None = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -149,6 +150,7 @@ class CloverForCausalLM(PreTrainedModel):
         decoder = self._default("decoder", decoder, c.default_decoder)
         block_size = self._default("block_size", block_size, c.block_size)
         threshold = self._default("threshold", threshold, 0.95)
+        draft = self._default("draft", draft, getattr(c, "draft", "mask"))
         max_new_tokens = self._default("max_new_tokens", max_new_tokens, 256)
         eos = self._default("eos_token_id", eos_token_id, c.eos_token_ids)
         eos = [eos] if isinstance(eos, int) else list(eos)
@@ -163,7 +165,7 @@ class CloverForCausalLM(PreTrainedModel):
         loop = generate(
             model,
             prompts,
-            make_policy(decoder, block_size, threshold),
+            make_policy(decoder, block_size, threshold, draft=draft),
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             eos_token_ids=eos,
