@@ -101,3 +101,20 @@ def test_noise_modes_and_full_masks():
     assert example_masks(ex, 11, 4, full, random.Random(0), 0) == [[True] * 11]
     with pytest.raises(CloverError, match="noise"):
         TrainConfig(data="d", out="o", noise="bogus")
+
+
+def test_continued_adapter_keeps_its_history(tiny_checkpoint, data, tmp_path):
+    from clover.models.adapter import read_adapter_config
+
+    first = config(tiny_checkpoint, data, tmp_path / "a", steps=3, rank=4, alpha=8.0)
+    train(first, progress=False)
+    more = config(tiny_checkpoint, data, tmp_path / "b", steps=2, rank=16,
+                  init_adapter=str(tmp_path / "a" / "adapter.safetensors"))  # fmt: skip
+    train(more, progress=False)
+    saved = read_adapter_config(tmp_path / "b" / "adapter.safetensors")
+    assert saved.rank == 4 and saved.alpha == 8.0  # the continued file's shape, not the YAML's
+    stages = saved.info["stages"]
+    assert [s["steps"] for s in stages] == [3, 2] and saved.info["steps"] == 5
+    assert all(s["answer_tokens"] > 0 for s in stages)
+    assert "rank" in stages[0]["recipe"] and "rank" not in stages[1]["recipe"]
+    assert stages[1]["recipe"]["init_adapter"].endswith("adapter.safetensors")

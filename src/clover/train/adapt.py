@@ -482,14 +482,39 @@ def train(
     model.eval()
     if step >= cfg.steps:
         if cfg.trainable == "adapter":
-            summary = {"base": cfg.base, "steps": step, "data": str(cfg.data),
-                       "recipe": {k: v for k, v in asdict(cfg).items()
-                                  if k not in ("data", "out", "device")}}  # fmt: skip
-            model.draft_adapter.config.info = {**model.draft_adapter.config.info, **summary}
+            adapter = model.draft_adapter.config
+            adapter.info = adapter_provenance(adapter.info, cfg, step, tokens_seen(out))
             save_adapter(model.cpu(), out / "adapter.safetensors")
         else:
             export_model(model.cpu(), llm, out / "model")
     return {"steps": step, "trainable_params": n_train, **last}
+
+
+def tokens_seen(out: Path) -> int:
+    """Answer tokens trained on in a run, from its metrics (a step replayed after a resume
+    counts once)."""
+    per_step = {}
+    with open(out / "metrics.jsonl") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if "step" in row and "tokens" in row:
+                per_step[row["step"]] = row["tokens"]
+    return sum(per_step.values())
+
+
+def adapter_provenance(info: dict, cfg: TrainConfig, steps: int, tokens: int) -> dict:
+    """The adapter file's record of how it was made: one entry per training run ("stages"),
+    so an adapter continued from another (`init_adapter`) keeps its whole history."""
+    stages = list(info.get("stages", []))
+    if not stages and "recipe" in info:  # a file written before stages were recorded
+        stages = [{k: info[k] for k in ("steps", "data", "recipe") if k in info}]
+    recipe = {k: v for k, v in asdict(cfg).items() if k not in ("data", "out", "device")}
+    if cfg.init_adapter:  # shape settings come from the file it continued
+        for key in ("rank", "alpha", "adapter_layers", "mask_embedding", "targets"):
+            recipe.pop(key, None)
+    stages.append({"steps": steps, "answer_tokens": tokens, "data": str(cfg.data),
+                   "recipe": recipe})  # fmt: skip
+    return {"base": cfg.base, "steps": sum(st["steps"] for st in stages), "stages": stages}
 
 
 def export_model(model: torch.nn.Module, llm: object, target: Path) -> Path:
