@@ -31,6 +31,18 @@ def test_smollm2_entry():
     hash(entry)  # frozen entries stay usable as dict keys despite the overrides dict
 
 
+def test_default_model_decoding_defaults_are_valid():
+    from dataclasses import fields
+
+    from clover.decoding.policies import make_policy
+    from clover.models.llama import LlamaConfig
+
+    d = KNOWN_MODELS["clover-smol-135m"].decoding
+    assert set(d) <= {f.name for f in fields(LlamaConfig)}
+    policy = make_policy(d["default_decoder"], d["block_size"], draft=d["draft"])
+    assert policy.speculative and policy.draft == "lookup"
+
+
 def test_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "c"))
     assert cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()

@@ -88,9 +88,10 @@ KNOWN_MODELS: dict[str, ModelEntry] = {
         description="SmolLM2 135M Instruct + Clover's block-diffusion draft adapter (MODEL_CARD)",
         license="Apache-2.0 (base: HuggingFaceTB/SmolLM2-135M-Instruct; adapter: Clover)",
         adapter="clover-smol-135m.safetensors",
-        # measured (benchmarks/results/frontier-clover-smol-135m-int4.json): self_spec is exact
-        # but 0.42-0.63x the speed of ar on a 2-core CPU (TPF 1.08-1.11), so ar stays the default
-        decoding={"default_decoder": "ar", "block_size": 4},
+        # measured (benchmarks/results/frontier-clover-smol-135m-int4-b1.json, batch 1): every
+        # self_spec setting gives ar's answers; drafting from context lookup is the fastest,
+        # 1.08x ar; the adapter's own mask drafts are 0.58-0.78x ar on a 2-core CPU
+        decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
     ),
 }
 

@@ -193,7 +193,7 @@ def cmd_quality(a: argparse.Namespace) -> int:
     machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
         a.limit = a.limit or 8
-    configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4")
+    configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4,self_spec:4:lookup")
     items = load_suite(a.suite, limit=a.limit)
     llm = LLM(a.model, dtype=a.dtype, progress=False)
     reference = None
@@ -324,7 +324,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8",
                    "int4"])  # fmt: skip
     q.add_argument("--configs", "--decoders",
-                   help="comma list (default ar,low_confidence:32:0.95,self_spec:4)")  # fmt: skip
+                   help="comma list (default ar,low_confidence:32:0.95,self_spec:4,"
+                   "self_spec:4:lookup)")  # fmt: skip
     q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
     q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
     q.add_argument("--max-tokens", type=int, default=128)
