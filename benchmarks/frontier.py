@@ -71,7 +71,7 @@ def plot(report: dict, path: Path) -> None:
                         xytext=(3, 2), textcoords="offset points")  # fmt: skip
         ax.axhline(0.9 * s["ar"]["quality"], color="#888", ls="--", lw=0.8)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("quality (checked accuracy x agreement-adjusted, see JSON)")
+        ax.set_ylabel("quality (accuracy on checked items)")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{report['label']}: grey = ar, green = self_spec, orange = low_confidence; "
                  "dashed = 90% of ar", fontsize=9)  # fmt: skip
