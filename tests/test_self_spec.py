@@ -191,3 +191,22 @@ def test_lookup_with_sampling_top_k_one_equals_greedy():
     s = SamplingParams(temperature=0.7, top_k=1, seed=3)
     spec, _ = run(model, [prompt], SelfSpec(block_size=4, draft="mask+lookup"), sampling=s)
     assert spec[0].tokens == ar[0].tokens
+
+
+def test_lookup_drafts_never_widen_a_batched_pass():
+    """Batched, a row's lookup draft only fills what the other rows' passes take anyway, and
+    the answers stay AR's; alone, the same row drafts freely."""
+    model = tiny_model(5)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 5]
+    ar, _ = run(model, prompts, make_policy("ar"), max_new=20)
+    policy = SelfSpec(block_size=4, draft="lookup")
+    spec, events = run(model, prompts, policy, max_new=20)
+    assert [s.tokens for s in spec] == [a.tokens for a in ar]
+    # after the prefill every row feeds one certain token: a pass of width 1 while 2+ rows run
+    for e in events[1:]:
+        if e.forward_rows > 1:
+            assert e.forward_tokens == e.forward_rows
+    alone, _ = run(model, prompts[:1], policy, max_new=20)
+    assert alone[0].tokens == ar[0].tokens
+    mixed, events = run(model, prompts, SelfSpec(block_size=4, draft="mask+lookup"), max_new=20)
+    assert [s.tokens for s in mixed] == [a.tokens for a in ar]

@@ -148,12 +148,25 @@ class BatchDecoder:
         else:
             self.cache = None
 
+    def _fit_lookup_drafts(self, plans: list[tuple[list[int], int]]) -> list:
+        """In a batch every row's pass is padded to the longest, so a context-lookup draft may
+        only fill what the other rows' passes take anyway: one row's 3-token guess must not
+        make all rows pay 4 positions (measured: lookup at batch 8 was 0.85x `ar` before)."""
+        core = [len(t) - r.optional_tokens() for r, (t, _) in zip(self.active, plans)]
+        width = max(core)
+        for k, r in enumerate(self.active):
+            if len(plans[k][0]) > width:
+                plans[k] = r.shorten(width - core[k], self.mask_id)
+        return plans
+
     def step(self) -> StepEvent:
         """One forward over every active row, then each row commits; finished rows leave."""
         t0 = time.perf_counter()
         self.step_count += 1
         model, active, mask_id = self.model, self.active, self.mask_id
         plans = [r.plan(mask_id) for r in active]
+        if len(active) > 1:
+            plans = self._fit_lookup_drafts(plans)
         T = max((len(tokens) for tokens, _ in plans), default=0)
         hidden = None
         if T:

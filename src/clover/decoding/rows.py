@@ -97,6 +97,10 @@ class Row:
         """hidden [T, D] of this row's last pass -> the hidden vectors to project to logits."""
         raise NotImplementedError
 
+    def optional_tokens(self) -> int:
+        """Input tokens at the end of the planned pass that the row could do without."""
+        return 0
+
     def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
         """logits [N, V] for `wanted` -> (commits [(answer index, token)], tokens to roll back)."""
         raise NotImplementedError
@@ -255,6 +259,7 @@ class SpecRow(Row):
         self.draft: list[int] = []
         self.refine_left = 0
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
+        self._from_context = False  # the planned pass's draft came from a context lookup
         self.context = NgramIndex(self.pending) if "lookup" in self.policy.draft else None
 
     @property
@@ -270,6 +275,18 @@ class SpecRow(Row):
             found = self.context.draft(min(self.policy.block_size - 1, room))
             if found:  # a context match beats the block's guess
                 self.draft, self._from_context = found, True
+        masks = [mask_id] * self.policy.block_size if self.masks else []
+        return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
+
+    def optional_tokens(self) -> int:
+        """A context-lookup draft (remade every pass, so dropping part of it loses nothing but
+        speed; a masked block, if any, moves up behind what is kept)."""
+        return len(self.draft) if self._from_context else 0
+
+    def shorten(self, n: int, mask_id: int) -> tuple[list[int], int]:
+        """Keep only the first n tokens of the planned lookup draft; -> the new plan."""
+        self.draft = self.draft[:n]
+        self._from_context = bool(self.draft)
         masks = [mask_id] * self.policy.block_size if self.masks else []
         return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
 
@@ -308,6 +325,7 @@ class SpecRow(Row):
             tally = self.result.drafts.setdefault(source, [0, 0])
             tally[0] += len(self.draft)
             tally[1] += accepted
+        self._from_context = False
         rollback = len(self.draft) - accepted
         new = self.draft[:accepted] + [token]
         start = self._append(new)
