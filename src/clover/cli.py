@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from clover import __version__
+from clover.decoding.policies import DRAFTS
 from clover.engine import DEFAULT_MODEL, Completion, GenerationSettings
 from clover.errors import CloverError
 
@@ -42,7 +43,7 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine-steps", type=int, default=0, help="self_spec draft refinements")
     p.add_argument(
         "--draft",
-        choices=["mask", "lookup", "mask+lookup"],
+        choices=DRAFTS,
         help="self_spec draft source: the masked block, context n-gram lookup, or both "
         "(default: the model's)",
     )
@@ -135,9 +136,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             stats["draft"] = settings.draft
         print(json.dumps(stats))
     elif a.verbose:
-        how = f"draft {settings.draft}" if settings.decoder == "self_spec" else "threshold"
-        if how == "threshold":
-            how = f"threshold {settings.threshold}"
+        spec = settings.decoder == "self_spec"
+        how = f"draft {settings.draft}" if spec else f"threshold {settings.threshold}"
         print(
             f"[{settings.decoder}, block {settings.block_size}, {how}] "
             f"{c.output_tokens} tokens, NFE {c.nfe}, TPF {c.tpf:.2f}, "
@@ -333,9 +333,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, help="default positions per block (the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="default commit confidence")
-    p.add_argument(
-        "--draft", choices=["mask", "lookup", "mask+lookup"], help="default self_spec draft source"
-    )
+    p.add_argument("--draft", choices=DRAFTS, help="default self_spec draft source")
     p.add_argument("--max-tokens", type=int, default=256, help="when a request sets none (256)")
     p.add_argument(
         "--shutdown-grace", type=float, default=30.0, help="seconds to finish answers on SIGTERM"

@@ -21,10 +21,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
-
-DECODERS = ("ar", "low_confidence", "self_spec")
-DRAFTS = ("mask", "lookup", "mask+lookup")
 
 
 @dataclass(frozen=True)

@@ -53,11 +53,7 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
         raise CloverError("empty prompt: give at least one token")
     if max_new < 1:
         raise CloverError(f"max_new_tokens must be >= 1, got {max_new}")
-    if policy.speculative:
-        needs_mask = policy.needs_mask
-    else:
-        needs_mask = policy.block_size > 1 or not config.shifted
-    if needs_mask and config.mask_token_id is None:
+    if policy.needs_mask(config.shifted) and config.mask_token_id is None:
         hint = "--draft lookup" if policy.speculative else "--decoder ar"
         raise CloverError(
             f"this model has no mask_token_id, so it cannot decode blocks; use {hint}"

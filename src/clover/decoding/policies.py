@@ -35,6 +35,11 @@ class Policy:
         which commit left to right, ask this of each position after the first)."""
         return True
 
+    def needs_mask(self, shifted: bool) -> bool:
+        """Whether decoding feeds [MASK] inputs (a model without a mask token cannot): any
+        block wider than one position, and any block of a model without token shift."""
+        return self.block_size > 1 or not shifted
+
 
 @dataclass(frozen=True)
 class LowConfidence(Policy):
@@ -85,9 +90,8 @@ class SelfSpec(Policy):
         if self.draft not in DRAFTS:
             raise CloverError(f"draft {self.draft!r}: choose one of {', '.join(DRAFTS)}")
 
-    @property
-    def needs_mask(self) -> bool:
-        return "mask" in self.draft
+    def needs_mask(self, shifted: bool) -> bool:
+        return "mask" in self.draft  # lookup drafts feed only real tokens
 
 
 DECODERS = ("ar", "low_confidence", "self_spec")

@@ -275,6 +275,10 @@ class SpecRow(Row):
             found = self.context.draft(min(self.policy.block_size - 1, room))
             if found:  # a context match beats the block's guess
                 self.draft, self._from_context = found, True
+        return self._verify_plan(mask_id)
+
+    def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
+        """[certain | draft to verify | masked block (draft="mask*" only)]."""
         masks = [mask_id] * self.policy.block_size if self.masks else []
         return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
 
@@ -287,8 +291,7 @@ class SpecRow(Row):
         """Keep only the first n tokens of the planned lookup draft; -> the new plan."""
         self.draft = self.draft[:n]
         self._from_context = bool(self.draft)
-        masks = [mask_id] * self.policy.block_size if self.masks else []
-        return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
+        return self._verify_plan(mask_id)
 
     def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
         # pending is never empty (the prompt, then the last certain token), so the output at

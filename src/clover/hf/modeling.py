@@ -150,7 +150,7 @@ class CloverForCausalLM(PreTrainedModel):
         decoder = self._default("decoder", decoder, c.default_decoder)
         block_size = self._default("block_size", block_size, c.block_size)
         threshold = self._default("threshold", threshold, 0.95)
-        draft = self._default("draft", draft, getattr(c, "draft", "mask"))
+        draft = self._default("draft", draft, c.draft)
         max_new_tokens = self._default("max_new_tokens", max_new_tokens, 256)
         eos = self._default("eos_token_id", eos_token_id, c.eos_token_ids)
         eos = [eos] if isinstance(eos, int) else list(eos)

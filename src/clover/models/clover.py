@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from clover.decoding.policies import DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
@@ -111,7 +112,7 @@ class CloverConfig(ConfigMixin):
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
         if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
-        if self.draft not in ("mask", "lookup", "mask+lookup"):
+        if self.draft not in DRAFTS:
             raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
 
     @property
