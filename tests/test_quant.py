@@ -56,7 +56,7 @@ def test_quantized_model_tracks_the_float_model():
     with torch.no_grad():
         ref = model.logits(model(ids)).softmax(-1)
         quantize_model(model)
-        assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)
+        assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
         got = model.logits(model(ids)).softmax(-1)
     assert (got - ref).abs().max() < 0.1
 
@@ -93,3 +93,32 @@ def test_model_bytes_by_precision():
     c = preset_config("clover-35b-a3b")
     assert model_bytes(c, "bfloat16") == 2 * c.num_params
     assert 0.49 < model_bytes(c, "int8") / model_bytes(c, "bfloat16") < 0.53
+
+
+def test_packed_projections_match_separate_ones():
+    """q/k/v and gate/up packed in one int4 matrix (`Int4Part`) give what separate int4
+    linears give, with a draft adapter's deltas on block tokens too."""
+    import copy
+
+    from clover.models.adapter import AdapterConfig, attach_adapter
+    from clover.quant import Int4Part
+
+    model = tiny_model(hidden_size=64, intermediate_size=128)
+    attach_adapter(model, AdapterConfig(rank=4, layers=[1]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_b" in n:
+                p.normal_(0, 0.5)
+    fused = quantize_model(copy.deepcopy(model))
+    apart = quantize_model(copy.deepcopy(model), fuse=False)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[1].mlp
+    assert isinstance(attn.k_proj, Int4Part) and attn.k_proj.fused is attn.fused_q_proj
+    assert isinstance(mlp.up_proj.base, Int4Part)  # under the adapter's LoRALinear
+    assert isinstance(apart.model.layers[0].self_attn.k_proj, Int4Linear)
+    ids = torch.randint(4, 64, (2, 9))
+    block = torch.tensor([[5, 6, 3, 3, 3]] * 2)
+    with torch.inference_mode():
+        for args, kw in (((ids,), {}), ((block,), {"mode": "block", "n_commit": 2})):
+            torch.testing.assert_close(fused(*args, **kw), apart(*args, **kw), rtol=0, atol=1e-2)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(attn.k_proj(x), apart.model.layers[0].self_attn.k_proj(x))

@@ -98,7 +98,11 @@ class LoRALinear(nn.Module):
         self.tokens = tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self.add_delta(x, self.base(x))
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = base(x) (computed by the caller, maybe in a packed matmul) -> y + the delta on
+        block tokens (into y itself at inference)."""
         idx, span = self.tokens.index, self.tokens.span
         if idx is None:
             return y
@@ -108,7 +112,7 @@ class LoRALinear(nn.Module):
         if self.scale != 1.0:
             h = h * self.scale
         delta = (h @ self.lora_b.t()).to(y.dtype)
-        flat = y.view(-1, self.out_features)
+        flat = y.view(-1, self.out_features)  # y may be a column slice of a packed output
         if torch.is_grad_enabled() and delta.requires_grad:  # training: out of place
             if span == (0, flat.shape[0]):
                 return (flat + delta).view(y.shape)

@@ -69,6 +69,10 @@ class KVCache(LayerCache):
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
     def reserve(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
@@ -87,8 +91,7 @@ class KVCache(LayerCache):
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         T = k.shape[2]
         lengths = layout.lengths
-        lo = int(lengths.min())
-        hi = int(lengths.max())
+        lo, hi = layout.length_range()
         if lo == hi:  # every row at the same length: a plain slice write
             self.k[:, :, lo : lo + T] = k
             self.v[:, :, lo : lo + T] = v

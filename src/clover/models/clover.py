@@ -24,9 +24,10 @@ from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
 from clover.models.gdn import GatedDeltaNet
-from clover.models.layers import ZeroRMSNorm, apply_rope, attend, rope_cos_sin, rope_inv_freq
+from clover.models.layers import ZeroRMSNorm, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout
 from clover.models.moe import MoE
+from clover.quant import project
 
 MODEL_TYPES = ("clover_hybrid",)
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -184,12 +185,12 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
         B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, self.hq, 2 * self.dh).chunk(2, dim=-1)
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = qg.reshape(B, T, self.hq, 2 * self.dh).chunk(2, dim=-1)
         q = self.q_norm(q).transpose(1, 2)  # [B, Hq, T, Dh]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.hkv, self.dh)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.hkv, self.dh).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(q, k, v, layout, cache).transpose(1, 2)  # [B, T, Hq, Dh]
+        k = self.k_norm(k.reshape(B, T, self.hkv, self.dh)).transpose(1, 2)
+        v = v.reshape(B, T, self.hkv, self.dh).transpose(1, 2)
+        out = attend(q, k, v, layout, cache, rope).transpose(1, 2)  # [B, T, Hq, Dh]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(B, T, -1))
 

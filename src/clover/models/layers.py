@@ -15,6 +15,7 @@ from torch import nn
 
 from clover.errors import CloverError
 from clover.models.cache import KVCache, StepLayout
+from clover.quant import project
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +25,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        D = x.shape[-1]
+        if x.is_cpu and not torch.is_grad_enabled():
+            # LayerNorm of [x, -x] is RMSNorm of x (its mean is 0, its variance mean(x^2)),
+            # and PyTorch's CPU LayerNorm is one fused kernel where rms_norm is ~8 small ops
+            # (a decode step has 2 norms a layer; `test_rms_norm_fast_path`)
+            y = F.layer_norm(torch.cat([x, -x], -1), (2 * D,), None, None, self.eps)
+            return y[..., :D] * self.weight
+        return F.rms_norm(x, (D,), self.weight, self.eps)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -54,20 +62,22 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] -> cos, sin [B, 1, T, rotary_dim] (halves repeated, rotate-half form)."""
+    """positions [B, T] -> cos, signed sin [B, 1, T, rotary_dim] (rotate-half form: the
+    halves repeated, the first half of sin negated, so `apply_rope` needs no negation)."""
     freqs = positions[..., None].float() * inv_freq  # [B, T, R/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos(), emb.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; rotates the first cos.shape[-1] dims (partial rotary leaves the rest)."""
+    """x [B, H, T, D]; rotates the first cos.shape[-1] dims (partial rotary leaves the rest).
+    rotate_half(x) * sin == roll(x, half) * signed sin: one op for four."""
     r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos.to(x.dtype) + x.roll(r // 2, -1) * sin.to(x.dtype)
     rot, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+    out = rot * cos.to(x.dtype) + rot.roll(r // 2, -1) * sin.to(x.dtype)
+    return torch.cat([out, rest], dim=-1)
 
 
 def attend(
@@ -76,13 +86,22 @@ def attend(
     v: torch.Tensor,
     layout: StepLayout,
     cache: KVCache | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D] under the layout's mask.
-    With a cache, attention runs in the cache's dtype (float32 on CPU: `cache.kv_dtype`)."""
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D] (q's dtype) under the layout's mask.
+
+    RoPE (cos, sin from `rope_cos_sin`), if given, and attention run in the cache's dtype
+    (float32 on CPU for 16-bit weights: `cache.kv_dtype`), so q/k/v are cast once, before
+    RoPE, and nothing is cast again on the way into the cache (a decode step is mostly small
+    ops on a CPU: every cast avoided there counts)."""
     dtype = q.dtype
     if cache is not None:
+        work = cache.dtype
+        q, k, v = q.to(work), k.to(work), v.to(work)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if cache is not None:
         k, v = cache.write(k, v, layout)
-        q = q.to(k.dtype)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=layout.mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -97,7 +116,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class ZeroRMSNorm(nn.Module):

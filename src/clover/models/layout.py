@@ -31,6 +31,12 @@ class StepLayout:
     # training layout only: (prompt_lens [B], clean_len, answer_len, block_size), for layers
     # (recurrent ones) that need the block structure rather than a mask
     train: tuple | None = None
+    span: tuple[int, int] | None = None  # (min, max) of lengths, once per pass, not per layer
+
+    def length_range(self) -> tuple[int, int]:
+        if self.span is None:
+            self.span = (int(self.lengths.min()), int(self.lengths.max()))
+        return self.span
 
     @property
     def num_tokens(self) -> int:
@@ -54,10 +60,11 @@ def cached_layout(
     T = num_tokens
     t = torch.arange(T, device=device)
     positions = lengths[:, None] + t[None, :]  # [B, T]
-    if T == 1 and bool((lengths == lengths[0]).all()):
+    span = (int(lengths.min()), int(lengths.max()))
+    if T == 1 and span[0] == span[1]:
         # one token per row at a shared length (AR steps): every key slot is visible
-        return StepLayout(n_commit, n_block, lengths, positions, None)
-    S = int(lengths.max()) + T
+        return StepLayout(n_commit, n_block, lengths, positions, None, span=span)
+    S = span[1] + T
     rel = torch.arange(S, device=device)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
     qi = t[None, :, None]  # [1, T, 1]
     nc = n_commit[:, None, None]
@@ -65,7 +72,7 @@ def cached_layout(
     is_block_query = (qi >= nc) & (qi < nc + nb)  # [B, T, 1]
     # Committed queries (and padding) are causal; block queries see the whole block.
     mask = torch.where(is_block_query, rel < nc + nb, rel <= qi)  # [B, T, S]
-    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None])
+    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None], span=span)
 
 
 def training_layout(
@@ -146,4 +153,6 @@ def noisy_layout(
     mask = torch.where(key[None, None, :] >= clean_len, noisy_keys, clean_keys)
     lengths = torch.full((B,), clean_len, dtype=torch.long, device=device)
     zeros = torch.zeros(B, dtype=torch.long, device=device)
-    return StepLayout(zeros, torch.full_like(zeros, T), lengths, positions, mask[:, None])
+    block = torch.full_like(zeros, T)
+    span = (clean_len, clean_len)
+    return StepLayout(zeros, block, lengths, positions, mask[:, None], span=span)

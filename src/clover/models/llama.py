@@ -19,8 +19,9 @@ from clover.decoding.policies import DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
-from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
+from clover.models.layers import RMSNorm, SwiGLU, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout
+from clover.quant import project
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -139,11 +140,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(q, k, v, layout, cache)  # [B, Hq, T, Dh]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        out = attend(q, k, v, layout, cache, rope)  # [B, Hq, T, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
