@@ -122,3 +122,23 @@ def test_packed_projections_match_separate_ones():
             torch.testing.assert_close(fused(*args, **kw), apart(*args, **kw), rtol=0, atol=1e-2)
         x = torch.randn(3, 64)
         torch.testing.assert_close(attn.k_proj(x), apart.model.layers[0].self_attn.k_proj(x))
+
+
+def test_packed_projections_on_clover_tiny():
+    """The hybrid architecture packs only what it runs through `project` (gated attention;
+    not the GDN layer, which calls its projections one by one) and matches separate ones."""
+    import copy
+
+    from clover.models.clover import CloverModel, preset_config
+    from clover.quant import Int4Part
+
+    torch.manual_seed(0)
+    model = CloverModel(preset_config("clover-tiny", vocab_size=96)).eval()
+    fused = quantize_model(copy.deepcopy(model))
+    apart = quantize_model(copy.deepcopy(model), fuse=False)
+    owners = [m for m in fused.modules() if any(isinstance(c, Int4Part) for c in m.children())]
+    assert owners and all(hasattr(m, "packed_projections") for m in owners)
+    assert not any(isinstance(m, Int4Part) for m in apart.modules())
+    ids = torch.randint(3, 96, (2, 12))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(ids), apart(ids), rtol=0, atol=1e-2)

@@ -83,9 +83,6 @@ class Int4Part(nn.Module):
         return self.fused(x)[..., self.start : self.stop]
 
 
-FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
     """Replace the linears `names` of module (maybe LoRA-wrapped: their `.base`) by parts of
     one Int4Linear, kept as module.fused_<first name>."""
@@ -169,7 +166,9 @@ def quantize_model(
         if mode == "int8" and hasattr(module, "quantize_experts_int8"):
             module.quantize_experts_int8()
         if mode == "int4" and fuse:
-            for names in FUSE_GROUPS:
+            # modules that run these linears through `project` say so (a module calling them
+            # one by one would run the packed matmul once per call)
+            for names in getattr(module, "packed_projections", ()):
                 _fuse_int4(module, names, group)
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear) or name == "lm_head":

@@ -170,6 +170,8 @@ class CloverConfig(ConfigMixin):
 class GatedAttention(nn.Module):
     """GQA with per-head QK-norm, partial RoPE and a sigmoid output gate from the q projection."""
 
+    packed_projections = (("q_proj", "k_proj", "v_proj"),)  # run through `project` (clover.quant)
+
     def __init__(self, c: CloverConfig) -> None:
         super().__init__()
         self.hq, self.hkv, self.dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim

@@ -109,6 +109,8 @@ def attend(
 
 
 class SwiGLU(nn.Module):
+    packed_projections = (("gate_proj", "up_proj"),)  # run through `project` (clover.quant)
+
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)

@@ -122,6 +122,8 @@ class LlamaConfig(ConfigMixin):
 
 
 class Attention(nn.Module):
+    packed_projections = (("q_proj", "k_proj", "v_proj"),)  # run through `project` (clover.quant)
+
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
