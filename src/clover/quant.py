@@ -94,12 +94,12 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
         return
     if bases[0].in_features % group or any(b.out_features % 16 for b in bases):
         return
-    with torch.no_grad():
-        cat = nn.Linear(bases[0].in_features, sum(b.out_features for b in bases),
-                        bias=bases[0].bias is not None)  # fmt: skip
-        cat.weight.copy_(torch.cat([b.weight for b in bases]))
-        if cat.bias is not None:
-            cat.bias.copy_(torch.cat([b.bias for b in bases]))
+    # built on meta, then given the concatenated weights: no init of a matrix thrown away
+    cat = nn.Linear(bases[0].in_features, sum(b.out_features for b in bases),
+                    bias=bases[0].bias is not None, device="meta")  # fmt: skip
+    cat.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
+    if cat.bias is not None:
+        cat.bias = nn.Parameter(torch.cat([b.bias.detach() for b in bases]), requires_grad=False)
     fused = Int4Linear(cat, group)
     setattr(module, f"fused_{names[0]}", fused)
     start = 0

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from clover.decoding.policies import DRAFTS
+from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
@@ -111,7 +111,7 @@ class CloverConfig(ConfigMixin):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
-        if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
+        if self.default_decoder not in DECODERS:
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
         if self.draft not in DRAFTS:
             raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")

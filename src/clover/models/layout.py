@@ -153,6 +153,4 @@ def noisy_layout(
     mask = torch.where(key[None, None, :] >= clean_len, noisy_keys, clean_keys)
     lengths = torch.full((B,), clean_len, dtype=torch.long, device=device)
     zeros = torch.zeros(B, dtype=torch.long, device=device)
-    block = torch.full_like(zeros, T)
-    span = (clean_len, clean_len)
-    return StepLayout(zeros, block, lengths, positions, mask[:, None], span=span)
+    return StepLayout(zeros, torch.full_like(zeros, T), lengths, positions, mask[:, None])

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clover.decoding.policies import DRAFTS
+from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
@@ -95,7 +95,7 @@ class LlamaConfig(ConfigMixin):
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
         if any(not 0 <= e < self.vocab_size for e in self.eos_token_ids):
             raise CloverError(f"config: eos_token_id {self.eos_token_id} outside the vocabulary")
-        if self.default_decoder not in ("ar", "low_confidence", "self_spec"):
+        if self.default_decoder not in DECODERS:
             raise CloverError(f"config: default_decoder {self.default_decoder!r}")
         if self.draft not in DRAFTS:
             raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
