@@ -35,3 +35,32 @@ def test_distill_writes_teacher_topk_and_resumes(tiny_checkpoint, tmp_path):
     assert len(done_ids(path)) == 8
     assert all(json.loads(line) for line in path.read_text().splitlines())
     assert len(load_examples(out, "train")) + len(load_examples(out, "heldout")) == 8
+
+
+def test_teacher_topk_batch_matches_one_by_one(tiny_checkpoint):
+    """One right-padded pass over sequences of different lengths gives each row's own
+    single-sequence top-k (the reference)."""
+    import torch
+
+    from clover.data.distill import teacher_topk_batch
+    from clover.engine import LLM
+
+    model = LLM(str(tiny_checkpoint), dtype="float32", progress=False).model
+    torch.manual_seed(0)
+    prompts = [torch.randint(4, 90, (n,)).tolist() for n in (3, 9, 5)]
+    answers = [torch.randint(4, 90, (n,)).tolist() for n in (7, 2, 4)]
+    batched = teacher_topk_batch(model, prompts, answers, 4)
+    for p, a, (ids, lps) in zip(prompts, answers, batched):
+        ref_ids, ref_lps = teacher_topk_batch(model, [p], [a], 4)[0]
+        assert len(ids) == len(a) and ids == ref_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=2e-4, rtol=0)
+
+
+def test_distill_stops_at_its_time_box_and_resumes(tiny_checkpoint, tmp_path):
+    out = tmp_path / "data"
+    stats = distill(str(tiny_checkpoint), out, 6, max_tokens=4, batch_size=2, top_k=2,
+                    dtype="float32", max_minutes=1e-9, progress=False)  # fmt: skip
+    assert stats["written"] == 0 and stats["left"] == 6  # the box ends before the first batch
+    stats = distill(str(tiny_checkpoint), out, 6, max_tokens=4, batch_size=2, top_k=2,
+                    dtype="float32", progress=False)  # fmt: skip
+    assert stats["written"] == 6 and stats["left"] == 0

@@ -200,3 +200,34 @@ def test_rope_matches_rotate_half():
         half = rotary // 2
         ref = rot * c + torch.cat([-rot[..., half:], rot[..., :half]], -1) * s
         torch.testing.assert_close(apply_rope(x, cos, sin), torch.cat([ref, rest], -1))
+
+
+def test_attend_packed_matches_attend():
+    """attend_packed (one cast, RoPE over q and k together, on the packed projection output)
+    against attend on the split q/k/v (the reference), with and without a cache."""
+    from clover.models.cache import KVCache
+    from clover.models.layers import attend, attend_packed, rope_cos_sin
+    from clover.models.layout import cached_layout
+
+    torch.manual_seed(0)
+    B, T, hq, hkv, dh = 2, 5, 6, 2, 16
+    qkv = torch.randn(B, T, (hq + 2 * hkv) * dh, dtype=torch.bfloat16)
+    for rotary in (dh, dh // 2):
+        rope = rope_cos_sin(torch.arange(3, 3 + T).expand(B, T), rope_inv_freq(rotary, 1e4, None))
+        q, k, v = qkv.split([hq * dh, hkv * dh, hkv * dh], -1)
+        q, k, v = (t.reshape(B, T, -1, dh).transpose(1, 2) for t in (q, k, v))
+        for cached in (False, True):
+            lengths = torch.tensor([3, 3] if cached else [0, 0])  # uncached: keys = the input
+            layout = cached_layout(torch.tensor([2, 2]), torch.tensor([3, 3]), lengths, T)
+            caches = (
+                [KVCache(B, hkv, dh, torch.float32) for _ in range(2)] if cached else [None] * 2
+            )
+            for c in caches:
+                if c is not None:
+                    c.reserve(16)
+            ref = attend(q, k, v, layout, caches[0], rope).transpose(1, 2).reshape(B, T, -1)
+            got = attend_packed(qkv, hq, hkv, layout, caches[1], rope)
+            assert got.dtype == qkv.dtype and got.shape == (B, T, hq * dh)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=1e-2)
+            if cached:
+                torch.testing.assert_close(caches[0].k, caches[1].k)

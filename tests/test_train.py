@@ -118,3 +118,31 @@ def test_continued_adapter_keeps_its_history(tiny_checkpoint, data, tmp_path):
     assert all(s["answer_tokens"] > 0 for s in stages)
     assert "rank" in stages[0]["recipe"] and "rank" not in stages[1]["recipe"]
     assert stages[1]["recipe"]["init_adapter"].endswith("adapter.safetensors")
+
+
+def test_time_box_shortens_the_schedule_and_writes_the_adapter(
+    tiny_checkpoint, data, tmp_path, monkeypatch
+):
+    """max_minutes: after 10 timed steps the cosine schedule is refitted to end inside the
+    box, and the run ends with an adapter file (a GPU lease is minutes, not steps). The clock
+    is faked (1 s per reading) so the test does not depend on this machine's speed."""
+    import itertools
+
+    import clover.train.adapt as adapt
+
+    roomy = train(config(tiny_checkpoint, data, tmp_path / "roomy", steps=4, max_minutes=60),
+                  progress=False)  # fmt: skip
+    assert roomy["steps"] == 4 and roomy["time_box_steps"] is None
+    clock = itertools.count(0.0, 1.0)
+    monkeypatch.setattr(adapt.time, "perf_counter", lambda: next(clock))
+    cfg = config(tiny_checkpoint, data, tmp_path / "boxed", steps=500, max_minutes=1.0)
+    out = train(cfg, progress=False)
+    assert 11 <= out["steps"] < 500
+    assert out["time_box_steps"] == out["steps"] or out["out_of_time"]
+    assert (tmp_path / "boxed" / "adapter.safetensors").exists()
+    state = torch.load(tmp_path / "boxed" / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == out["steps"] and state["steps"] <= 500
+    rows = (tmp_path / "boxed" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == out["steps"] and "heldout" in json.loads(rows[-1])
+    with pytest.raises(CloverError, match="max_minutes"):
+        config(tiny_checkpoint, data, tmp_path, max_minutes=0)

@@ -272,7 +272,7 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
 
     stats = distill(
         a.model, a.out, a.prompts, max_tokens=a.max_tokens, batch_size=a.batch_size,
-        top_k=a.top_k, seed=a.seed, dtype=a.dtype,
+        top_k=a.top_k, seed=a.seed, dtype=a.dtype, device=a.device, max_minutes=a.max_minutes,
     )  # fmt: skip
     print(json.dumps(stats))
     return 0
@@ -281,7 +281,8 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
 def cmd_train_adapt(a: argparse.Namespace) -> int:
     from clover.train.adapt import TrainConfig, train
 
-    overrides = {"steps": a.steps, "out": a.out, "data": a.data}
+    overrides = {"steps": a.steps, "out": a.out, "data": a.data, "device": a.device,
+                 "max_minutes": a.max_minutes}  # fmt: skip
     cfg = TrainConfig.from_yaml(a.config, **overrides)
     print(json.dumps(train(cfg, resume=a.resume, progress=not a.quiet, until=a.until)))
     return 0
@@ -379,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--top-k", type=int, default=8, help="teacher log-probs kept per position")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="cpu", help="cpu, cuda or auto (cpu)")
+    d.add_argument(
+        "--max-minutes", type=float, help="stop after the batch in flight past this (resumable)"
+    )
     d.set_defaults(func=cmd_data_distill)
     tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)
     t = tr.add_parser("adapt", help="AR -> block-diffusion adaptation on distilled data")
@@ -388,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--until", type=int, help="stop after this step (same schedule; --resume later)")
     t.add_argument("--out", help="override the config's output directory")
     t.add_argument("--data", help="override the config's data directory")
+    t.add_argument("--device", help="override the config's device (cpu, cuda)")
+    t.add_argument("--max-minutes", type=float, help="time box: the schedule ends within it")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train_adapt)
     e = sub.add_parser("export", help="write a Hugging Face style checkpoint (transformers too)")

@@ -108,16 +108,24 @@ def convert_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> None:
     add_bos_token, chat_template) for the vocabulary embedded in `gguf_path`.
 
     Works offline. An existing `out_dir` is replaced only once the new files are complete.
+    A folder `<file>.tokenizer/` beside the GGUF holding both files (an earlier conversion's,
+    carried to a machine without transformers, as `scripts/gpu_adapt.sh` does) is used as is.
     """
     gguf_path = Path(gguf_path).expanduser().resolve()
     out_dir = Path(out_dir).expanduser().resolve()
     if not gguf_path.is_file():
         raise CloverError(f"GGUF file not found: {gguf_path}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    sidecar = gguf_path.with_name(gguf_path.name + ".tokenizer")
+    names = ("tokenizer.json", "tokenizer_config.json")
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write_tokenizer(gguf_path, staging)
+        if all((sidecar / n).is_file() for n in names):
+            for n in names:
+                shutil.copyfile(sidecar / n, staging / n)
+        else:
+            _write_tokenizer(gguf_path, staging)
         if out_dir.exists():
             # Directories cannot be renamed over: move the old one aside first, then drop it.
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))

@@ -124,6 +124,32 @@ def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
     return [o if m is b else m.add_delta(x, o) for m, b, o in zip(linears, bases, outs)]
 
 
+def project_cat(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
+    """torch.cat([linear(x) for linear in linears], -1), with no cat when they are the parts
+    of one packed matrix in order: the packed output itself, a draft adapter's deltas added
+    into its columns (in place at inference)."""
+    bases = [getattr(m, "base", m) for m in linears]
+    fused = getattr(bases[0], "fused", None)
+    stops = [0] + [getattr(b, "stop", -1) for b in bases]
+    if (
+        fused is None
+        or any(
+            getattr(b, "fused", None) is not fused or b.start != stops[i]
+            for i, b in enumerate(bases)
+        )
+        or stops[-1] != fused.out_features
+    ):
+        return torch.cat([m(x) for m in linears], -1)
+    y = fused(x)
+    outs, inplace = [], True
+    for m, b in zip(linears, bases):
+        part = y[..., b.start : b.stop]
+        out = part if m is b else m.add_delta(x, part)
+        inplace = inplace and out is part
+        outs.append(out)
+    return y if inplace else torch.cat(outs, -1)
+
+
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W in int8 per output channel (scale per row); x in bfloat16."""
 

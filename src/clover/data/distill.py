@@ -42,16 +42,33 @@ def done_ids(path: Path) -> set[str]:
 
 
 def teacher_topk(model: object, prompt: list[int], answer: list[int], k: int) -> tuple:
-    """Top-k log-probs at each answer position from one causal pass -> (ids, logprobs)."""
-    seq = torch.tensor([prompt + answer])
+    """Top-k log-probs at each answer position from one causal pass -> (ids, logprobs).
+    The reference for `teacher_topk_batch`."""
+    return teacher_topk_batch(model, [prompt], [answer], k)[0]
+
+
+def teacher_topk_batch(
+    model: object, prompts: list[list[int]], answers: list[list[int]], k: int
+) -> list[tuple]:
+    """`teacher_topk` for many sequences in one right-padded causal pass (padding comes after
+    each row's tokens, so causal attention never reads it) -> [(ids, logprobs)] per row.
+    Logits are made row by row: [answer_len, vocab], never [batch, length, vocab]."""
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    width = max(len(s) for s in seqs)
+    device = next(model.parameters()).device
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
+    valid = torch.tensor([len(s) for s in seqs], device=device)
+    mask_id = model.config.mask_token_id
+    out = []
     with torch.inference_mode():
-        hidden = model(seq)[0, len(prompt) - 1 : len(prompt) + len(answer) - 1]
-        logits = model.logits(hidden).float()
-        if model.config.mask_token_id is not None:  # never a target, as in decoding
-            logits[:, model.config.mask_token_id] = float("-inf")
-        logp = logits.log_softmax(-1)
-    values, ids = logp.topk(k, dim=-1)
-    return ids.tolist(), [[round(v, 4) for v in row] for row in values.tolist()]
+        hidden = model(ids, n_valid=valid)
+        for row, (p, a) in enumerate(zip(prompts, answers)):
+            logits = model.logits(hidden[row, len(p) - 1 : len(p) + len(a) - 1]).float()
+            if mask_id is not None:  # never a target, as in decoding
+                logits[:, mask_id] = float("-inf")
+            values, top = logits.log_softmax(-1).topk(k, dim=-1)
+            out.append((top.tolist(), [[round(v, 4) for v in r] for r in values.tolist()]))
+    return out
 
 
 def distill(
@@ -64,13 +81,27 @@ def distill(
     top_k: int = 8,
     seed: int = 0,
     dtype: str = "auto",
+    device: str = "cpu",
+    max_minutes: float | None = None,
     progress: bool = True,
 ) -> dict:
-    """Distil `n_prompts` prompts (resumable); returns counts."""
+    """Distil `n_prompts` prompts (resumable); returns counts. `device` "cuda" runs the teacher
+    on a GPU (dtype auto -> float32 there: the GGUF's levels, unrounded); `max_minutes` stops
+    after the batch in flight once that much time has passed (a rerun continues)."""
     from clover.engine import LLM, GenerationSettings
 
     if n_prompts < 1 or batch_size < 1 or top_k < 1 or max_tokens < 1:
         raise CloverError("prompts, batch size, top-k and max tokens must be >= 1")
+    if max_minutes is not None and max_minutes <= 0:
+        raise CloverError("max_minutes must be > 0")
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)  # fmt: skip
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CloverError("--device cuda: no CUDA device is visible")
+    if dev.type != "cpu" and dtype in ("auto", "int4", "int8"):
+        if dtype != "auto":
+            raise CloverError(f"--dtype {dtype} is a CPU precision; use float32 or bfloat16")
+        dtype = "float32"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "distill.jsonl"
@@ -79,6 +110,7 @@ def distill(
     done = done_ids(path)
     todo = [p for p in prompts if p["id"] not in done]
     llm = LLM(model, dtype=dtype, progress=progress)
+    llm.model.to(dev)
     meta = {
         "teacher": llm.name,
         "dtype": llm.dtype,
@@ -87,6 +119,7 @@ def distill(
         "max_tokens": max_tokens,
         "top_k": top_k,
         "decoder": "ar (greedy)",
+        "device": str(dev),
     }
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     eos = llm.tokenizer.eos_token_id
@@ -97,34 +130,42 @@ def distill(
 
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill",
                    unit="prompt")  # fmt: skip
-    t0, tokens = time.perf_counter(), 0
-    with open(path, "a", encoding="utf-8") as f:
+    t0, tokens, written = time.perf_counter(), 0, 0
+    # on a GPU every tensor the engine makes must land there: factories default to `dev`
+    with open(path, "a", encoding="utf-8") as f, torch.device(dev):
         for start in range(0, len(todo), batch_size):
+            if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
+                break
             batch = todo[start : start + batch_size]
             ids = [llm.chat_prompt(p["messages"]) for p in batch]
             completions: list = []
             for _ in llm.stream(ids, settings, completions):
                 pass
+            kept = []
             for p, prompt, c in zip(batch, ids, completions):
                 answer = list(c.token_ids)
                 if c.finish_reason == "stop" and eos is not None:
                     answer.append(eos)
-                if not answer:
-                    continue
-                top_ids, top_lp = teacher_topk(llm.model, prompt, answer, top_k)
+                if answer:
+                    kept.append((p, prompt, answer, c.finish_reason))
+            tops = teacher_topk_batch(llm.model, [k[1] for k in kept], [k[2] for k in kept],
+                                      top_k) if kept else []  # fmt: skip
+            for (p, prompt, answer, reason), (top_ids, top_lp) in zip(kept, tops):
                 record = {**p, "prompt_ids": prompt, "answer_ids": answer,
-                          "finish_reason": c.finish_reason, "topk_ids": top_ids,
+                          "finish_reason": reason, "topk_ids": top_ids,
                           "topk_logprobs": top_lp}  # fmt: skip
                 f.write(json.dumps(record) + "\n")
                 tokens += len(answer)
             f.flush()
             os.fsync(f.fileno())
+            written += len(batch)
             if bar is not None:
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
     if bar is not None:
         bar.close()
-    return {"written": len(todo), "skipped": len(prompts) - len(todo), "answer_tokens": tokens}
+    return {"written": written, "skipped": len(prompts) - len(todo), "left": len(todo) - written,
+            "answer_tokens": tokens, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
 def _truncate_torn_tail(path: Path) -> None:

@@ -166,9 +166,9 @@ class BatchDecoder:
         T = max((len(tokens) for tokens, _ in plans), default=0)
         hidden = None
         if T:
-            ids = torch.full((len(active), T), mask_id, dtype=torch.long, device=self.device)
-            for k, (tokens, _) in enumerate(plans):
-                ids[k, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            # one host-to-device copy for the whole batch (a GPU step pays per copy)
+            rows = [tokens + [mask_id] * (T - len(tokens)) for tokens, _ in plans]
+            ids = torch.tensor(rows, dtype=torch.long, device=self.device)
             n_valid = torch.tensor([len(t) for t, _ in plans])
             n_commit = torch.tensor([c for _, c in plans])
             with torch.inference_mode():

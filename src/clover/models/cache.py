@@ -88,7 +88,8 @@ class KVCache(LayerCache):
 
         Returns k, v [B, H_kv, S, D] with S = max(lengths) + T (what `layout.mask` covers).
         """
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        if k.dtype != self.k.dtype:  # checked: a no-op `.to` still costs a dispatch
+            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         T = k.shape[2]
         lengths = layout.lengths
         lo, hi = layout.length_range()

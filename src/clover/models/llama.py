@@ -19,9 +19,15 @@ from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
-from clover.models.layers import RMSNorm, SwiGLU, attend, rope_cos_sin, rope_inv_freq
+from clover.models.layers import (
+    RMSNorm,
+    SwiGLU,
+    attend_packed,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from clover.models.layout import StepLayout
-from clover.quant import project
+from clover.quant import project_cat
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -141,13 +147,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple, layout: StepLayout, cache: KVCache | None
     ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
-        B, T, _ = x.shape
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        out = attend(q, k, v, layout, cache, rope)  # [B, Hq, T, Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        qkv = project_cat(x, self.q_proj, self.k_proj, self.v_proj)
+        return self.o_proj(attend_packed(qkv, self.n_heads, self.n_kv, layout, cache, rope))
 
 
 class DecoderLayer(nn.Module):

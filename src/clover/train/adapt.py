@@ -83,6 +83,9 @@ class TrainConfig:
     save_every: int = 50
     eval_examples: int = 32
     device: str = "cpu"  # "cuda" on a GPU: the same code
+    # a time box: after 10 timed steps the schedule is shortened to end (and the adapter to be
+    # written) within this many minutes of the start; past it the run stops and writes it
+    max_minutes: float | None = None
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -97,6 +100,8 @@ class TrainConfig:
             raise CloverError(f"noise must be one of {', '.join(NOISE)}, got {self.noise!r}")
         if not 0 <= self.full_mask_prob <= 1:
             raise CloverError("full_mask_prob must be in [0, 1]")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise CloverError(f"max_minutes must be > 0, got {self.max_minutes!r}")
         if not (self.adapter_layers == "all" or self.adapter_layers.startswith("last:")):
             raise CloverError(f"adapter_layers must be all or last:N: {self.adapter_layers!r}")
 
@@ -385,13 +390,24 @@ def train(
 ) -> dict:
     """Run (or continue) the adaptation; `until` stops early at that step, as a killed or
     time-boxed run would, with the schedule of the full `cfg.steps`."""
-    from clover.data.distill import load_examples
     from clover.engine import LLM
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(cfg.base, dtype="float32", progress=progress)
     model = llm.model.to(cfg.device)
+    # every tensor the loop makes (caches, layouts, masks) must be on the model's device
+    with torch.device(cfg.device):
+        return _train(cfg, llm, model, resume, progress, until)
+
+
+def _train(
+    cfg: TrainConfig, llm: object, model: torch.nn.Module, resume: bool, progress: bool,
+    until: int | None,
+) -> dict:  # fmt: skip
+    from clover.data.distill import load_examples
+
+    out = Path(cfg.out)
     mask_id = model.config.mask_token_id
     if mask_id is None:
         raise CloverError(f"{cfg.base} has no mask_token_id to train with")
@@ -425,6 +441,7 @@ def train(
             model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, order, epoch = state["step"], state["order"], state.get("epoch", 0)
+        cfg = replace(cfg, steps=state.get("steps", cfg.steps))  # a time box's schedule
         rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"].cpu())
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -439,6 +456,8 @@ def train(
     model.train()
     last: dict = {}
     stop_at = min(cfg.steps, until or cfg.steps)
+    start_step, timed_from, out_of_time, boxed = step, 0.0, False, None
+    deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
     while step < stop_at:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -472,22 +491,37 @@ def train(
             bar.update(1)
             bar.set_postfix(masked=f"{info['masked']:.3f}", ar=f"{info['ar']:.3f}",
                             tok_s=f"{rate:.0f}")  # fmt: skip
-        if step % cfg.save_every == 0 or step == stop_at:
+        if deadline is not None:
+            now = time.perf_counter()
+            if step == start_step + 1:  # the first step pays warm-up costs: time from here
+                timed_from = now
+            elif step == start_step + 11:
+                per_step = (now - timed_from) / 10
+                fit = step + int(0.9 * (deadline - now) / per_step)
+                if fit < cfg.steps:  # shorten the schedule (the cosine ends at the box)
+                    cfg = replace(cfg, steps=max(fit, step))
+                    stop_at = min(stop_at, cfg.steps)
+                    boxed = cfg.steps
+            out_of_time = now > deadline
+        if step % cfg.save_every == 0 or step == stop_at or out_of_time:
             state = {"step": step, "order": order, "epoch": epoch, "rng": rng.getstate(),
-                     "torch_rng": torch.get_rng_state()}  # fmt: skip
+                     "torch_rng": torch.get_rng_state(), "steps": cfg.steps}  # fmt: skip
             save_state(out, model, opt, state)
+        if out_of_time:
+            break
     metrics.close()
     if bar is not None:
         bar.close()
     model.eval()
-    if step >= cfg.steps:
+    if step >= cfg.steps or out_of_time:
         if cfg.trainable == "adapter":
             adapter = model.draft_adapter.config
             adapter.info = adapter_provenance(adapter.info, cfg, step, tokens_seen(out))
             save_adapter(model.cpu(), out / "adapter.safetensors")
         else:
             export_model(model.cpu(), llm, out / "model")
-    return {"steps": step, "trainable_params": n_train, **last}
+    return {"steps": step, "trainable_params": n_train, "time_box_steps": boxed,
+            "out_of_time": out_of_time, **last}  # fmt: skip
 
 
 def tokens_seen(out: Path) -> int:

