@@ -26,6 +26,7 @@ def test_save_load_round_trip_is_exact(tmp_path):
     save_checkpoint(model, tmp_path / "ckpt")
     config, state = read_hf_dir(tmp_path / "ckpt")
     loaded = model_from_state(config, state, "ckpt", torch.float32)
+    assert state == {}  # consumed: the caller's dict must not keep the weights alive
     assert loaded.config == model.config
     for name, t in model.state_dict().items():
         assert torch.equal(t, loaded.state_dict()[name]), name
