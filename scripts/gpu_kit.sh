@@ -18,7 +18,11 @@ fi
 rm -rf .gpu && mkdir -p .gpu/wheels
 echo "compressing $gguf (about a minute)"
 xz -6 -T2 -c "$gguf" > .gpu/base.gguf.xz
-split -n 2 -d .gpu/base.gguf.xz .gpu/base.part   # base.part00, base.part01
+# call 1 carries the tree + part00, call 2 the tree + part01 + the rest: fill call 1 to 62 MiB
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+first=$(( 62 * 1048576 - tree ))
+head -c "$first" .gpu/base.gguf.xz > .gpu/base.part00
+tail -c +"$(( first + 1 ))" .gpu/base.gguf.xz > .gpu/base.part01
 rm .gpu/base.gguf.xz
 # the tokenizer as converted here: the GPU machine's transformers is another major version
 "$PY" -c "import sys; from clover.gguf_tokenizer import convert_gguf_tokenizer as c; c(*sys.argv[1:])" \
@@ -30,9 +34,10 @@ if [ -f "$DATA/distill.jsonl" ]; then
 else
   echo "note: no $DATA/distill.jsonl: the GPU run distils from scratch"
 fi
-tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 for part in 00 01; do
   extra=$(du -cb .gpu/base.part$part $([ $part = 01 ] && echo .gpu/wheels .gpu/tokenizer .gpu/distill.jsonl.xz) | tail -1 | cut -f1)
-  echo "call $part carries $(( (tree + extra) / 1048576 )) MiB (limit 64)"
+  mib=$(( (tree + extra) / 1048576 ))
+  echo "call $part carries $mib MiB (limit 64)"
+  [ "$mib" -lt 64 ] || { echo "error: over the device tool's 64 MiB per call" >&2; exit 1; }
 done
 ls -l .gpu .gpu/wheels .gpu/tokenizer
