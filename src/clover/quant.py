@@ -112,12 +112,21 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
             o.base = part
 
 
-def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
-    """[linear(x) for linear in linears], in one kernel call when they are the parts of one
-    packed matrix (`Int4Part`, maybe under a draft adapter's LoRALinear)."""
+def _packed(linears: tuple[nn.Module, ...]) -> tuple[Int4Linear | None, list[nn.Module]]:
+    """(the packed matrix all of `linears` are parts of, or None; their bases: the linears
+    themselves, or what a draft adapter's LoRALinear wraps)."""
     bases = [getattr(m, "base", m) for m in linears]
     fused = getattr(bases[0], "fused", None)
     if fused is None or any(getattr(b, "fused", None) is not fused for b in bases):
+        return None, bases
+    return fused, bases
+
+
+def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """[linear(x) for linear in linears], in one kernel call when they are the parts of one
+    packed matrix (`Int4Part`, maybe under a draft adapter's LoRALinear)."""
+    fused, bases = _packed(linears)
+    if fused is None:
         return [m(x) for m in linears]
     y = fused(x)
     outs = [y[..., b.start : b.stop] for b in bases]
@@ -128,17 +137,10 @@ def project_cat(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
     """torch.cat([linear(x) for linear in linears], -1), with no cat when they are the parts
     of one packed matrix in order: the packed output itself, a draft adapter's deltas added
     into its columns (in place at inference)."""
-    bases = [getattr(m, "base", m) for m in linears]
-    fused = getattr(bases[0], "fused", None)
-    stops = [0] + [getattr(b, "stop", -1) for b in bases]
-    if (
-        fused is None
-        or any(
-            getattr(b, "fused", None) is not fused or b.start != stops[i]
-            for i, b in enumerate(bases)
-        )
-        or stops[-1] != fused.out_features
-    ):
+    fused, bases = _packed(linears)
+    edges = [0] + [b.stop for b in bases] if fused is not None else []
+    whole = fused is not None and edges[-1] == fused.out_features
+    if not whole or any(b.start != edges[i] for i, b in enumerate(bases)):  # all, in order
         return torch.cat([m(x) for m in linears], -1)
     y = fused(x)
     outs, inplace = [], True
@@ -207,10 +209,11 @@ def quantize_model(
                 continue
             if mode == "int8":
                 setattr(module, name, Int8Linear(child.weight, child.bias))
+                changed = True
             elif child.in_features % group == 0 and child.out_features % 16 == 0:
                 # the CPU kernel packs whole groups along K and 16-row tiles along N
                 setattr(module, name, Int4Linear(child, group))
-            changed = True
+                changed = True
         child = None  # (the loop variable would keep the last replaced linear alive)
         if changed:  # the replaced weights are free now: give their pages back as we go
             release_freed_memory()

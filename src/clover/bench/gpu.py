@@ -136,12 +136,9 @@ def time_passes(
 ) -> dict:
     """-> {"results": [{length, batch, block_pass_ms, commit_pass_ms, ar_step_ms, ...}], ...}"""
     from clover.bench.common import spread
+    from clover.engine import resolve_device
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CloverError("--device cuda: no CUDA device is visible")
+    dev = resolve_device(device)
     if preset == "clover-35b-a3b" and dev.type == "cpu":
         raise CloverError("clover-35b-a3b needs ~70 GB on one GPU; on CPU use --preset clover-tiny")
     lengths = lengths or LENGTHS.get(preset, [1024])

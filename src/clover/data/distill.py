@@ -41,17 +41,12 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
-def teacher_topk(model: object, prompt: list[int], answer: list[int], k: int) -> tuple:
-    """Top-k log-probs at each answer position from one causal pass -> (ids, logprobs).
-    The reference for `teacher_topk_batch`."""
-    return teacher_topk_batch(model, [prompt], [answer], k)[0]
-
-
 def teacher_topk_batch(
     model: object, prompts: list[list[int]], answers: list[list[int]], k: int
 ) -> list[tuple]:
-    """`teacher_topk` for many sequences in one right-padded causal pass (padding comes after
-    each row's tokens, so causal attention never reads it) -> [(ids, logprobs)] per row.
+    """Top-k log-probs at each answer position of each prompt + answer, from one right-padded
+    causal pass (padding comes after each row's tokens, so causal attention never reads it)
+    -> [(ids, logprobs)] per row.
     Logits are made row by row: [answer_len, vocab], never [batch, length, vocab]."""
     seqs = [p + a for p, a in zip(prompts, answers)]
     width = max(len(s) for s in seqs)
@@ -88,16 +83,13 @@ def distill(
     """Distil `n_prompts` prompts (resumable); returns counts. `device` "cuda" runs the teacher
     on a GPU (dtype auto -> float32 there: the GGUF's levels, unrounded); `max_minutes` stops
     after the batch in flight once that much time has passed (a rerun continues)."""
-    from clover.engine import LLM, GenerationSettings
+    from clover.engine import LLM, GenerationSettings, resolve_device
 
     if n_prompts < 1 or batch_size < 1 or top_k < 1 or max_tokens < 1:
         raise CloverError("prompts, batch size, top-k and max tokens must be >= 1")
     if max_minutes is not None and max_minutes <= 0:
         raise CloverError("max_minutes must be > 0")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       "cpu" if device == "auto" else device)  # fmt: skip
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CloverError("--device cuda: no CUDA device is visible")
+    dev = resolve_device(device)
     if dev.type != "cpu" and dtype in ("auto", "int4", "int8"):
         if dtype != "auto":
             raise CloverError(f"--dtype {dtype} is a CPU precision; use float32 or bfloat16")
