@@ -47,7 +47,14 @@ def test_threshold_zero_commits_whole_block_per_step(model):
     assert res.nfe == 3 and res.tpf == 8.0
 
 
-@pytest.mark.parametrize("policy", [make_policy("ar"), LowConfidence(block_size=4, threshold=0.3)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        make_policy("ar"),
+        LowConfidence(block_size=4, threshold=0.3),
+        LowConfidence(block_size=4, threshold=0.3, slide=True),
+    ],
+)
 def test_batched_equals_one_at_a_time(model, policy):
     batched, _ = run(model, PROMPTS, policy, eos_token_ids=[1])
     for prompt, b in zip(PROMPTS, batched):
@@ -136,3 +143,52 @@ def test_rows_join_and_leave_between_steps(model, policy):
         batch.step()
     assert [r.result.tokens for r in rows] == alone
     assert doomed.result.finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_sliding_window_never_confident_is_ar_greedy(seed, block):
+    """The window's first position is the prefix's causal prediction: with no other position
+    confident enough, a sliding window writes exactly the AR answer, one token per pass."""
+    model = tiny_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in (3, 9, 1, 14)]
+    ar, _ = run(model, prompts, make_policy("ar"), eos_token_ids=[1])
+    slide, _ = run(model, prompts, LowConfidence(block, 1.5, slide=True), eos_token_ids=[1])
+    for a, s in zip(ar, slide):
+        assert s.tokens == a.tokens and s.finish_reason == a.finish_reason
+        assert s.nfe == a.nfe
+
+
+def test_sliding_window_commits_first_position_and_confident_ones():
+    script = list(range(10, 22))
+    conf = [0.5, 0.5, 0.99, 0.5, 0.99, 0.99, 0.5, 0.5, 0.5, 0.5, 0.99, 0.5]
+    m = ScriptedModel(prompt_len=2, script=script, conf=conf)
+    policy = LowConfidence(block_size=4, threshold=0.9, slide=True)
+    (res,), events = run(m, [[5, 6]], policy, max_new=12)
+    assert res.tokens == script and res.finish_reason == "length"
+    per_step = [sorted(c.index for c in e.commits) for e in events]
+    # window 0-3: 0 (its first) + 2; window 1-4: 1 + 4; window 3-6: 3 + 5
+    assert per_step[:3] == [[0, 2], [1, 4], [3, 5]]
+    assert per_step[3:] == [[6], [7, 10], [8], [9], [11]]  # 10 joins the window 7-10
+    assert all(len(e.commits) >= 1 for e in events)
+    streamed = [t for e in events for t in e.final.get(0, [])]
+    assert streamed == script
+
+
+def test_sliding_window_stops_at_eos_and_budget():
+    script = [20, 21, 1, 23, 24]
+    m = ScriptedModel(prompt_len=1, script=script, conf=[0.99] * 5)
+    (res,), events = run(
+        m, [[5]], LowConfidence(block_size=8, threshold=0.9, slide=True), eos_token_ids=[1]
+    )
+    assert res.tokens == [20, 21] and res.finish_reason == "stop" and res.nfe == 1
+    m = ScriptedModel(prompt_len=1, script=list(range(10, 30)), conf=[0.5] * 20)
+    (res,), _ = run(m, [[5]], LowConfidence(block_size=8, threshold=0.9, slide=True), max_new=5)
+    assert res.tokens == [10, 11, 12, 13, 14] and res.finish_reason == "length"
+
+
+def test_slide_is_a_low_confidence_option():
+    with pytest.raises(CloverError, match="slide"):
+        make_policy("self_spec", 4, slide=True)
+    assert make_policy("low_confidence", 4, 0.9, slide=True).slide

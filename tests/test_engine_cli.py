@@ -97,6 +97,13 @@ def test_cli_generate_self_spec_lookup_is_ar(tiny_checkpoint, capsys):
     assert main(args + ["--decoder", "self_spec", "--block-size", "4", "--draft", "lookup"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["text"] == ar["text"] and spec["draft"] == "lookup"
+    # a sliding window that is never confident beyond its first position: the AR answer
+    slide = ["--decoder", "low_confidence", "--block-size", "4", "--threshold", "1", "--slide"]
+    assert main(args + slide) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == ar["text"] and out["slide"] is True
+    assert main(args + ["--decoder", "self_spec", "--slide"]) == 1
+    assert "slide is a low_confidence option" in capsys.readouterr().err
 
 
 def test_cli_info_json(tiny_checkpoint, capsys):

@@ -138,12 +138,18 @@ def test_transformers_loads_the_export(exported, hf_model, source):
 
 
 @pytest.mark.parametrize(
-    ("decoder", "draft"), [("ar", "mask"), ("low_confidence", "mask"), ("self_spec", "lookup")]
+    ("decoder", "draft", "slide"),
+    [
+        ("ar", "mask", False),
+        ("low_confidence", "mask", False),
+        ("low_confidence", "mask", True),
+        ("self_spec", "lookup", False),
+    ],
 )
-def test_diffusion_generate_equals_our_loop(hf_model, source, decoder, draft):
+def test_diffusion_generate_equals_our_loop(hf_model, source, decoder, draft, slide):
     prompts = [source.encode(p) for p in PROMPTS]
     results = []
-    policy = make_policy(decoder, 4, 0.9, draft=draft)
+    policy = make_policy(decoder, 4, 0.9, draft=draft, slide=slide)
     for _ in generate(
         source.model,
         prompts,
@@ -157,8 +163,9 @@ def test_diffusion_generate_equals_our_loop(hf_model, source, decoder, draft):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = hf_model.diffusion_generate(
-        ids, mask, max_new_tokens=10, decoder=decoder, block_size=4, threshold=0.9, draft=draft
-    )
+        ids, mask, max_new_tokens=10, decoder=decoder, block_size=4, threshold=0.9,
+        draft=draft, slide=slide,
+    )  # fmt: skip
     assert torch.equal(out[:, :width], ids)
     pad = source.eos_token_ids[0]
     for row, r in zip(out.tolist(), results):

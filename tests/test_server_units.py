@@ -82,7 +82,11 @@ def test_chat_defaults_and_overrides():
     s = req.settings
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.stop) == (5, 0.5, 0.9, 0, ("x",))
     assert (s.block_size, s.threshold, s.decoder, req.include_usage) == (4, 1.0, "ar", True)
-    assert s.draft == "lookup"
+    assert s.draft == "lookup" and not s.slide
+    hi = [{"role": "user", "content": "hi"}]
+    assert parse_chat({"messages": hi, "slide": True}, LIMITS).settings.slide
+    with pytest.raises(APIError, match="slide"):
+        parse_chat({"messages": hi, "slide": "yes"}, LIMITS)
     with pytest.raises(APIError, match="draft must be one of"):
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "draft": "ngram"}, LIMITS)
     assert 0 <= s.seed < 2**31 and req.template_kwargs == {"enable_thinking": True}
@@ -170,3 +174,6 @@ def test_serve_options_check_the_draft_source():
     ServeOptions(decoder="self_spec", draft="lookup").check()
     with pytest.raises(CloverError, match="--draft must be one of"):
         ServeOptions(draft="ngram").check()
+    ServeOptions(decoder="low_confidence", slide=True).check()
+    with pytest.raises(CloverError, match="--slide is a low_confidence option"):
+        ServeOptions(slide=True).check()

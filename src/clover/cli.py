@@ -47,6 +47,11 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
         help="self_spec draft source: the masked block, context n-gram lookup, or both "
         "(default: the model's)",
     )
+    p.add_argument(
+        "--slide",
+        action="store_true",
+        help="low_confidence: a sliding window of --block-size positions instead of fixed blocks",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -69,6 +74,7 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
         stop=tuple(a.stop),
         refine_steps=a.refine_steps,
         draft=a.draft,
+        slide=a.slide,
     )
 
 
@@ -134,10 +140,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
         stats["threshold"] = settings.threshold
         if settings.decoder == "self_spec":
             stats["draft"] = settings.draft
+        if settings.slide:
+            stats["slide"] = True
         print(json.dumps(stats))
     elif a.verbose:
         spec = settings.decoder == "self_spec"
         how = f"draft {settings.draft}" if spec else f"threshold {settings.threshold}"
+        how += ", sliding window" if settings.slide else ""
         print(
             f"[{settings.decoder}, block {settings.block_size}, {how}] "
             f"{c.output_tokens} tokens, NFE {c.nfe}, TPF {c.tpf:.2f}, "
@@ -309,6 +318,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         block_size=a.block_size,
         threshold=a.threshold,
         draft=a.draft,
+        slide=a.slide,
         max_tokens=a.max_tokens,
         shutdown_grace=a.shutdown_grace,
         access_log=a.access_log,
@@ -335,6 +345,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="default positions per block (the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="default commit confidence")
     p.add_argument("--draft", choices=DRAFTS, help="default self_spec draft source")
+    p.add_argument(
+        "--slide", action="store_true", help="low_confidence: a sliding window by default"
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="when a request sets none (256)")
     p.add_argument(
         "--shutdown-grace", type=float, default=30.0, help="seconds to finish answers on SIGTERM"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from clover.decoding.loop import RowResult, generate
-from clover.decoding.policies import make_policy
+from clover.decoding.policies import Policy, make_policy
 from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
 from clover.registry import ResolvedModel, cache_dir, resolve
@@ -52,8 +52,15 @@ class GenerationSettings:
     stop: tuple[str, ...] = ()
     refine_steps: int = 0  # self_spec: refinement passes over each fresh draft
     draft: str | None = None  # self_spec draft source: mask, lookup or mask+lookup
+    slide: bool = False  # low_confidence: a sliding window instead of fixed blocks
     # makes a fresh LogitsConstraint for each answer (clover.decoding.constraints), or None
     constraint: Callable[[], object] | None = field(default=None, compare=False)
+
+    def policy(self) -> Policy:
+        """The decoding policy these settings ask for (after `LLM.default_settings`)."""
+        return make_policy(
+            self.decoder, self.block_size, self.threshold, self.refine_steps, self.draft, self.slide
+        )
 
 
 @dataclass
@@ -271,7 +278,7 @@ class LLM:
     ) -> Iterator[TextDelta]:
         """Text deltas per row as tokens become final; `completions` is filled at the end."""
         s = self.default_settings(settings)
-        policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps, s.draft)
+        policy = s.policy()
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
         texts = [TextStream(self.tokenizer, s.stop) for _ in prompts]
         results: list[RowResult] = []

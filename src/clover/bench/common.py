@@ -2,10 +2,10 @@
 results files.
 
 A config string is `decoder[:block[:threshold]]`: `ar`, `low_confidence:32:0.95`,
-`self_spec:4`; a self_spec draft source other than the block's masks is a third field:
-`self_spec:4:lookup`, `self_spec:4:mask+lookup`. It is what the CLI takes and what the
-results files use as row names, so a row in a JSON file can be pasted back onto the command
-line.
+`self_spec:4`; `low_confidence:4:0.9:slide` is the sliding window; a self_spec draft source
+other than the block's masks is a third field: `self_spec:4:lookup`,
+`self_spec:4:mask+lookup`. It is what the CLI takes and what the results files use as row
+names, so a row in a JSON file can be pasted back onto the command line.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class DecoderConfig:
     block_size: int = 1
     threshold: float = 0.95
     draft: str = "mask"  # self_spec only
+    slide: bool = False  # low_confidence only: a sliding window
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
@@ -46,16 +47,18 @@ class DecoderConfig:
         try:
             if parts[0] == "ar" and len(parts) == 1:
                 return cls()
-            if parts[0] == "low_confidence" and len(parts) in (2, 3):
-                threshold = float(parts[2]) if len(parts) == 3 else 0.95
-                return cls("low_confidence", int(parts[1]), threshold)
+            if parts[0] == "low_confidence" and len(parts) in (2, 3, 4):
+                if len(parts) == 4 and parts[3] != "slide":
+                    raise ValueError(parts[3])
+                threshold = float(parts[2]) if len(parts) >= 3 else 0.95
+                return cls("low_confidence", int(parts[1]), threshold, slide=len(parts) == 4)
             if parts[0] == "self_spec" and len(parts) in (2, 3):
                 draft = parts[2] if len(parts) == 3 else "mask"
                 return cls("self_spec", int(parts[1]), draft=draft)
         except ValueError:
             pass
         raise CloverError(
-            f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD] or "
+            f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD[:slide]] or "
             f"self_spec:BLOCK[:{'|'.join(DRAFTS)}]"
         )
 
@@ -66,7 +69,8 @@ class DecoderConfig:
         if self.decoder == "self_spec":
             tail = "" if self.draft == "mask" else f":{self.draft}"
             return f"self_spec:{self.block_size}{tail}"
-        return f"low_confidence:{self.block_size}:{self.threshold:g}"
+        tail = ":slide" if self.slide else ""
+        return f"low_confidence:{self.block_size}:{self.threshold:g}{tail}"
 
     def settings(self, max_tokens: int) -> object:
         from clover.engine import GenerationSettings
@@ -77,12 +81,11 @@ class DecoderConfig:
             threshold=self.threshold,
             max_tokens=max_tokens,
             draft=self.draft,
+            slide=self.slide,
         )
 
     def policy(self) -> object:
-        from clover.decoding.policies import make_policy
-
-        return make_policy(self.decoder, self.block_size, self.threshold, draft=self.draft)
+        return self.settings(1).policy()
 
 
 def parse_configs(text: str | list[str]) -> list[DecoderConfig]:

@@ -43,10 +43,18 @@ class Policy:
 
 @dataclass(frozen=True)
 class LowConfidence(Policy):
-    """Commit every position whose confidence >= threshold; if none, the most confident one."""
+    """Commit every position whose confidence >= threshold; if none, the most confident one.
+
+    `slide=True` keeps a window of block_size positions ahead of the prefix instead of fixed
+    blocks: committed leading positions leave the window at once (they are committed causally
+    in the next pass, fused with it) and fresh masks join at its end. The window's first
+    position is then always predicted by the prefix's causal output, which is the token AR
+    decoding would write, so it is committed every step and the threshold only decides which
+    further positions come along (see `rows.BlockRow`)."""
 
     block_size: int = 32
     threshold: float = 0.95
+    slide: bool = False
     name: str = "low_confidence"
 
     def __post_init__(self) -> None:
@@ -56,7 +64,9 @@ class LowConfidence(Policy):
 
     def select(self, confidence: torch.Tensor) -> torch.Tensor:
         chosen = confidence >= self.threshold
-        if not bool(chosen.any()):
+        if self.slide:  # the leftmost masked position is the window's first: AR's token
+            chosen[0] = True
+        elif not bool(chosen.any()):
             chosen[int(confidence.argmax())] = True
         return chosen
 
@@ -103,11 +113,14 @@ def make_policy(
     threshold: float = 0.95,
     refine_steps: int = 0,
     draft: str = "mask",
+    slide: bool = False,
 ) -> Policy:
+    if slide and name != "low_confidence":
+        raise CloverError(f"slide is a low_confidence option (the decoder here is {name})")
     if name == "ar":
         return Policy()
     if name == "low_confidence":
-        return LowConfidence(block_size=block_size, threshold=threshold)
+        return LowConfidence(block_size=block_size, threshold=threshold, slide=slide)
     if name == "self_spec":
         return SelfSpec(block_size=block_size, refine_steps=refine_steps, draft=draft)
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")

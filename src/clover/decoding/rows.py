@@ -5,7 +5,10 @@ in one call, and hands each row its slice. Two kinds of row cover every decoder:
 
 - `BlockRow` (ar, low_confidence): a block of masked positions, denoised step by step; the
   policy picks which confident positions to commit. A finished block is committed causally in
-  the next pass, fused with the first denoising step of the following block.
+  the next pass, fused with the first denoising step of the following block. With a sliding
+  window (`LowConfidence(slide=True)`) the committed leading run leaves the block at once
+  (committed causally in the next pass) and fresh masks join the end: the first masked
+  position is always the one the prefix's causal output predicts.
 - `SpecRow` (self_spec): lossless self-speculation. Each pass feeds [certain tokens | draft
   (causal, to verify) | B masks (bidirectional, the next draft)]. The causal outputs give the
   AR token at every draft position: the longest matching draft prefix is accepted plus the AR
@@ -177,7 +180,24 @@ class BlockRow(Row):
             self.block, self.block_steps = [], []
             if cut is None:
                 self.open_block()
+        elif getattr(self.policy, "slide", False):
+            self._slide(more=cut is None)
         return commits, 0
+
+    def _slide(self, more: bool) -> None:
+        """Sliding window: the committed leading run becomes prefix (committed causally in the
+        next pass) and as many fresh masks join the window's end as the budget allows (none
+        after an EOS in the window)."""
+        run = self.block.index(MASKED)
+        if not run:
+            return
+        self.answer += self.block[:run]
+        self.answer_steps += self.block_steps[:run]
+        self.pending = self.block[:run]
+        del self.block[:run], self.block_steps[:run]
+        fresh = min(run, self.max_new - len(self.answer) - len(self.block)) if more else 0
+        self.block += [MASKED] * max(fresh, 0)
+        self.block_steps += [0] * max(fresh, 0)
 
     def _commit_run(
         self, logits: torch.Tensor, masked: list[int], sampling: SamplingParams, eos: set[int]

@@ -132,6 +132,7 @@ class CloverForCausalLM(PreTrainedModel):
         block_size: int | None = None,
         threshold: float | None = None,
         draft: str | None = None,
+        slide: bool = False,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -165,7 +166,7 @@ class CloverForCausalLM(PreTrainedModel):
         loop = generate(
             model,
             prompts,
-            make_policy(decoder, block_size, threshold, draft=draft),
+            make_policy(decoder, block_size, threshold, draft=draft, slide=slide),
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature, top_k, top_p, seed),
             eos_token_ids=eos,

@@ -26,6 +26,7 @@ class ServeOptions:
     block_size: int | None = None
     threshold: float = 0.95
     draft: str | None = None  # self_spec draft source; None: the model's default
+    slide: bool = False  # low_confidence: a sliding window by default
     max_tokens: int = 256  # when a request does not say
     shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     access_log: bool = False
@@ -45,6 +46,8 @@ class ServeOptions:
             raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
         if self.draft is not None and self.draft not in DRAFTS:
             raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
+        if self.slide and self.decoder != "low_confidence":
+            raise CloverError("--slide is a low_confidence option: add --decoder low_confidence")
         if self.block_size is not None and self.block_size < 1:
             raise CloverError("--block-size must be >= 1")
         if not 0 <= self.threshold <= 1:

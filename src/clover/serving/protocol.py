@@ -242,6 +242,7 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         stop=_stops(body.get("stop")),
         refine_steps=_pick(_int(body, "refine_steps", 0, 8), d.refine_steps),
         draft=draft,
+        slide=_bool(body, "slide", d.slide),
     )
     return dict(
         model=model,

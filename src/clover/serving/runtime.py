@@ -65,7 +65,7 @@ class Runtime:
             o = self.options
             defaults = GenerationSettings(
                 decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
-                max_tokens=o.max_tokens, draft=o.draft,
+                max_tokens=o.max_tokens, draft=o.draft, slide=o.slide,
             )  # fmt: skip
             self.limits = Limits(
                 model_names=(o.served_model_name or llm.name,),

@@ -24,7 +24,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from clover.decoding.loop import BatchDecoder
-from clover.decoding.policies import make_policy
 from clover.decoding.sampling import SamplingParams
 from clover.engine import LLM, Completion, GenerationSettings, TextStream
 from clover.errors import CloverError
@@ -88,7 +87,7 @@ class Scheduler:
 
     def submit(self, prompt: list[int], settings: GenerationSettings, n: int = 1) -> Ticket:
         s = self.llm.default_settings(settings)
-        make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps, s.draft)  # validate now
+        s.policy()  # validate now
         SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
         with self._lock:
             if self._stopping:
@@ -141,7 +140,7 @@ class Scheduler:
             if t.cancelled:
                 continue
             s = t.settings
-            policy = make_policy(s.decoder, s.block_size, s.threshold, s.refine_steps, s.draft)
+            policy = s.policy()
             sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
             try:
                 for choice in range(t.n):
