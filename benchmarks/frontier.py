@@ -4,7 +4,8 @@ Runs `clover.bench.quality.run_quality` on one loaded model (the base GGUF + a d
 for `ar` (the base model decoded causally: with a draft adapter the causal path *is* the base),
 `self_spec` at several block sizes (lossless: the base's AR answer, faster or not), drafting
 from the masked block, from context n-gram lookup or both, and
-`low_confidence` for block {4, 8, 16, 32} x threshold {0.7, 0.8, 0.9, 0.95}. Items: checkable
+`low_confidence` for block {4, 8, 16, 32} x threshold {0.7, 0.8, 0.9, 0.95}, and its sliding
+window (`:slide`) for windows {2, 4, 8} x the same thresholds. Items: checkable
 suite items (code / math / fact, `benchmarks/suites/quality.jsonl`) plus held-out prompts of the
 distillation set (never trained on) as open items. Settings are interleaved batch by batch.
 
@@ -24,10 +25,12 @@ from clover.bench.common import machine, now, parse_configs, write_results
 from clover.bench.quality import CHECKED, load_suite, run_quality
 from clover.engine import LLM
 
-LOW_CONF = [f"low_confidence:{b}:{t}" for b in (4, 8, 16, 32) for t in (0.7, 0.8, 0.9, 0.95)]
+THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
+LOW_CONF = [f"low_confidence:{b}:{t}" for b in (4, 8, 16, 32) for t in THRESHOLDS]
+SLIDE = [f"low_confidence:{b}:{t}:slide" for b in (2, 4, 8) for t in THRESHOLDS]
 SPEC = ["self_spec:2", "self_spec:3", "self_spec:4"]
 SPEC += ["self_spec:4:lookup", "self_spec:3:mask+lookup"]
-DEFAULT = ["ar"] + SPEC + LOW_CONF
+DEFAULT = ["ar"] + SPEC + LOW_CONF + SLIDE
 
 
 def heldout_items(data: Path, n: int) -> list[dict]:
@@ -65,7 +68,8 @@ def plot(report: dict, path: Path) -> None:
     for ax, xkey, xlabel in axes_spec:
         for name, row in s.items():
             q = row["quality"]
-            colour = "#555" if name == "ar" else "#2a7a3b" if "self_spec" in name else "#c05a1a"
+            colour = ("#555" if name == "ar" else "#2a7a3b" if "self_spec" in name
+                      else "#1f5fa8" if name.endswith(":slide") else "#c05a1a")  # fmt: skip
             ax.scatter(row[xkey], q, color=colour, s=28)
             ax.annotate(name.replace("low_confidence", "lc"), (row[xkey], q), fontsize=6,
                         xytext=(3, 2), textcoords="offset points")  # fmt: skip
@@ -73,8 +77,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("quality (accuracy on checked items)")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{report['label']}: grey = ar, green = self_spec, orange = low_confidence; "
-                 "dashed = 90% of ar", fontsize=9)  # fmt: skip
+    fig.suptitle(f"{report['label']}: grey = ar, green = self_spec, orange = low_confidence, "
+                 "blue = its sliding window; dashed = 90% of ar", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
