@@ -85,7 +85,11 @@ class DecoderConfig:
         )
 
     def policy(self) -> object:
-        return self.settings(1).policy()
+        from clover.decoding.policies import make_policy
+
+        return make_policy(
+            self.decoder, self.block_size, self.threshold, draft=self.draft, slide=self.slide
+        )
 
 
 def parse_configs(text: str | list[str]) -> list[DecoderConfig]:

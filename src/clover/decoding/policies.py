@@ -21,6 +21,7 @@ class Policy:
     block_size: int = 1
     name: str = "ar"
     speculative = False  # class attribute: SpecRow instead of BlockRow in the loop
+    slide = False  # a sliding window instead of fixed blocks (a LowConfidence field)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

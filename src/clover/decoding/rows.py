@@ -180,7 +180,7 @@ class BlockRow(Row):
             self.block, self.block_steps = [], []
             if cut is None:
                 self.open_block()
-        elif getattr(self.policy, "slide", False):
+        elif self.policy.slide:
             self._slide(more=cut is None)
         return commits, 0
 
