@@ -116,3 +116,55 @@ def test_partial_adapter_trains_without_the_mask_vector():
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 3, 3, 9, 3]])
     model(ids, mode="train", layout=layout).sum().backward()  # lower layer: no grad input
     assert all(p.grad is not None for n, p in model.named_parameters() if ".lora_a" in n)
+
+
+@pytest.mark.slow  # compiles a few graphs: ~1 min on 2 cores
+def test_compile_causal_matches_eager():
+    """`compile_causal`: passes without block tokens (prefill, AR steps, verify and commit
+    passes, rows at different lengths) run compiled and give the eager backbone's hidden
+    states; block passes (adapter active) stay eager, so every decoder returns the same
+    tokens as the eager model."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import make_policy
+
+    eager = adapted(seed=1)
+    fast = copy.deepcopy(eager)
+    fast.compile_causal()
+    with torch.no_grad():
+        ids = torch.randint(4, 64, (2, 7))
+        caches = [m.make_cache(2) for m in (eager, fast)]
+        outs = [m(ids, c, n_valid=torch.tensor([7, 5])) for m, c in zip((eager, fast), caches)]
+        torch.testing.assert_close(outs[0][0], outs[1][0])
+        torch.testing.assert_close(outs[0][1, :5], outs[1][1, :5])
+        for _ in range(3):  # AR steps at different lengths, then a 3-token verify pass
+            step = torch.randint(4, 64, (2, 1))
+            a, b = (m(step, c) for m, c in zip((eager, fast), caches))
+            torch.testing.assert_close(a, b)
+        step = torch.randint(4, 64, (2, 3))
+        a, b = (m(step, c, "block", n_commit=3) for m, c in zip((eager, fast), caches))
+        torch.testing.assert_close(a, b)
+    prompts = [[5, 9, 12, 5, 9], [7, 8, 9, 10, 11, 12, 13]]
+    for name, kw in (
+        ("ar", {}),
+        ("self_spec", dict(block_size=3, draft="mask+lookup")),
+        ("low_confidence", dict(block_size=4, threshold=0.5, slide=True)),
+    ):
+        results = []
+        for model in (eager, fast):
+            rows: list = []
+            for _ in generate(model, prompts, make_policy(name, **kw), max_new_tokens=12,
+                              results=rows):  # fmt: skip
+                pass
+            results.append([r.tokens for r in rows])
+        assert results[0] == results[1], name
+    assert counters["stats"]["unique_graphs"] >= 2  # it did compile (prefill and AR step)
+
+
+def test_compile_needs_a_cpp_compiler(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(CloverError, match="C\\+\\+ compiler"):
+        tiny_model().compile_causal()

@@ -138,3 +138,24 @@ def test_cli_chat_clear_and_interrupt(tiny_checkpoint, capsys, monkeypatch):
     )
     assert cli.cmd_chat(args, read=read) == 0
     assert "(history cleared)" in capsys.readouterr().out
+
+
+def test_compile_flag_reaches_the_model(monkeypatch, capsys):
+    """`--compile` (generate, chat, serve) asks LLM for the compiled causal passes; the
+    compiled path itself is checked against eager in test_adapter."""
+    from clover.cli import build_parser, main
+
+    seen = {}
+
+    class Refuse:
+        def __init__(self, *args, **kw):
+            seen.update(kw)
+            raise CloverError("not loading in this test")
+
+    monkeypatch.setattr("clover.engine.LLM", Refuse)
+    assert main(["generate", "--prompt", "hi", "--compile"]) == 1
+    assert seen["compile"] is True
+    assert "not loading" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi"]) == 1 and seen["compile"] is False
+    assert build_parser().parse_args(["chat", "--compile"]).compile
+    assert build_parser().parse_args(["serve", "--compile"]).compile

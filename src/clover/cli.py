@@ -34,6 +34,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the causal passes (AR steps, verification, prefill): faster "
+        "steps after a slow start (a minute or two on a small CPU, cached for the next run)",
+    )
+
+
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoder", choices=["ar", "low_confidence", "self_spec"], help="default: the model's"
@@ -81,7 +90,13 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
 def _load(a: argparse.Namespace, quiet: bool = False) -> object:
     from clover.engine import LLM
 
-    return LLM(a.model, dtype=a.dtype, progress=not quiet, adapter=getattr(a, "adapter", None))
+    return LLM(
+        a.model,
+        dtype=a.dtype,
+        progress=not quiet,
+        adapter=getattr(a, "adapter", None),
+        compile=getattr(a, "compile", False),
+    )
 
 
 def _run_stream(llm: object, prompt: list[int], settings: GenerationSettings, echo: bool):
@@ -116,6 +131,7 @@ def _stats(c: Completion, llm: object) -> dict:
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "model": llm.name,
         "dtype": llm.dtype,
+        "compiled": llm.compiled,
     }
 
 
@@ -306,6 +322,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model=a.model,
         adapter=a.adapter,
         dtype=a.dtype,
+        compile=a.compile,
         host=a.host,
         port=a.port,
         api_key=a.api_key or os.environ.get("CLOVER_API_KEY") or None,
@@ -361,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer one prompt, streaming")
     _model_args(g)
+    _compile_arg(g)
     _generation_args(g)
     g.add_argument("--prompt", "-p", help="prompt text ('-' or omitted: read stdin)")
     g.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template")
@@ -369,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="multi-turn chat in the terminal")
     _model_args(c)
+    _compile_arg(c)
     _generation_args(c)
     c.add_argument("--verbose", "-v", action="store_true")
     c.set_defaults(func=cmd_chat)
@@ -418,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
     s = sub.add_parser("serve", help="OpenAI-compatible server with a web page")
     _model_args(s)
+    _compile_arg(s)
     _serve_args(s)
     s.set_defaults(func=cmd_serve)
     from clover.bench.cli import add_bench_parser

@@ -193,9 +193,13 @@ class LLM:
         dtype: str = "auto",
         progress: bool = True,
         adapter: str | Path | None = None,
+        compile: bool = False,
     ) -> None:
         """adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
-        registry name that ships one (clover-smol-135m) attaches its own."""
+        registry name that ships one (clover-smol-135m) attaches its own. compile:
+        `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
+        warm them up here (prefill + AR step at batch 1: about a minute or two on 2 cores the
+        first time, less once PyTorch's on-disk cache holds the graphs)."""
         if dtype not in DTYPES and dtype != "auto":
             raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
         t0 = time.perf_counter()
@@ -239,7 +243,17 @@ class LLM:
         self.dtype = dtype
         self.directory = directory
         self.config = self.model.config
+        self.compiled = compile
+        if compile:
+            self.model.compile_causal()
+            self._warm_up()
         self.load_seconds = time.perf_counter() - t0
+
+    def _warm_up(self) -> None:
+        """One prefill and two AR steps at batch 1: the graphs a first request needs."""
+        prompt = self.encode("Hello")
+        for _ in generate(self.model, [prompt], make_policy("ar"), max_new_tokens=3):
+            pass
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -88,9 +88,15 @@ def cmd_speed(a: argparse.Namespace) -> int:
     for dt in (a.dtypes or "auto,float32").split(","):
         llm = LLM(a.model, dtype=dt.strip(), progress=False)
         llms.setdefault(llm.dtype, llm)  # `auto` may resolve to float32 itself
+    compiled = []
+    if a.compile:  # a second, compiled copy per precision: rows side by side with eager
+        for dt in list(llms):
+            _log(f"compiling the causal passes at {dt} (slow the first time)")
+            compiled.append(LLM(a.model, dtype=dt, progress=False, compile=True))
     first = next(iter(llms.values()))
     prompts = [first.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS[:n_prompts]]
-    engines: list[object] = [CloverEngine(llm, c) for llm in llms.values() for c in configs]
+    ours = list(llms.values()) + compiled
+    engines: list[object] = [CloverEngine(llm, c) for llm in ours for c in configs]
     gguf = first.resolved.path if first.resolved and first.resolved.kind == "gguf" else None
     if peers and gguf is None:
         notes.append("peers skipped: they load a GGUF file and this model is not one")
@@ -115,9 +121,13 @@ def cmd_speed(a: argparse.Namespace) -> int:
         base = dict(model=a.model, prompts=prompts, tokens=tokens, batch=max(batches))
         base.update(threads=torch.get_num_threads(), gguf=str(gguf), pad_id=pad_id)
         specs = {"baseline (python + torch + transformers, no model)": dict(engine="none")}
-        for dt in llms:
-            specs[f"clover {dt}"] = dict(
-                engine="clover", dtype=dt, configs=[c.name for c in configs]
+        for llm in ours:
+            key = f"clover {llm.dtype}{' compiled' if llm.compiled else ''}"
+            specs[key] = dict(
+                engine="clover",
+                dtype=llm.dtype,
+                compile=llm.compiled,
+                configs=[c.name for c in configs],
             )
         for e in engines:
             if e.engine != "clover":
@@ -127,6 +137,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
             rss[name] = probe_rss({**base, **spec})
         for name, row in rows.items():
             key = f"clover {row['precision']}" if row["engine"] == "clover" else name
+            key += " compiled" if row.get("compiled") else ""
             row["peak_rss_mb"] = rss.get(key)
     report = {
         "benchmark": "clover bench speed",
@@ -139,6 +150,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
             "configs": [c.name for c in configs],
             "precisions": {
                 "clover": list(llms),
+                "compiled": [llm.dtype for llm in compiled],
                 "transformers": "float32 (the GGUF dequantized by transformers)",
                 "llama.cpp": f"{gguf_type} (the GGUF as it is)" if gguf_type else None,
             },
@@ -316,6 +328,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", help="results JSON (default benchmarks/results/bench-speed-*.json)")
     s.add_argument("--quick", action="store_true", help="a smoke run: short, our default dtype")
     s.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
+    s.add_argument("--compile", action="store_true",
+                   help="also rows with torch.compile'd causal passes, per precision")  # fmt: skip
     s.add_argument("--no-plot", action="store_true")
     s.set_defaults(func=cmd_speed)
 

@@ -81,7 +81,8 @@ class CloverEngine:
     def __init__(self, llm: object, config: DecoderConfig) -> None:
         self.llm, self.config = llm, config
         self.precision = llm.dtype
-        self.name = f"clover {config.name} {llm.dtype}"
+        self.compiled = getattr(llm, "compiled", False)
+        self.name = f"clover {config.name} {llm.dtype}{' compiled' if self.compiled else ''}"
 
     def run(self, prompts: list[list[int]], n: int) -> RunStats:
         from clover.decoding.loop import generate
@@ -221,7 +222,9 @@ def run_speed(
 ) -> dict:
     """Time every engine row; -> {row name: {"batch": {B: stats}}} (see the module doc)."""
     for e in engines:  # warm-up: first calls allocate and pick kernels
-        e.run(prompts[:1], min(8, tokens))
+        # a compiled engine compiles a graph per batch shape (batch 1 is special): warm all
+        for b in batches if getattr(e, "compiled", False) else [1]:
+            e.run([prompts[i % len(prompts)] for i in range(b)], min(8, tokens))
     times: dict[tuple[str, int], list[RunStats]] = {}
     for batch in batches:
         groups = (
@@ -248,6 +251,8 @@ def run_speed(
                 "batch": {},
             },
         )
+        if getattr(e, "compiled", False):
+            row["compiled"] = True  # torch.compile'd causal passes (`LLM(compile=True)`)
         for batch in batches:
             runs = times.get((e.name, batch))
             if not runs:
@@ -298,7 +303,7 @@ def add_ratios(rows: dict) -> None:
             if hf:
                 stats["vs_transformers"] = round(mine / hf, 2)
             if r["engine"] == "clover":
-                ar = median(f"clover ar {r['precision']}")
+                ar = median(f"clover ar {r['precision']}")  # eager: the reference
                 if ar:
                     stats["vs_our_ar"] = round(mine / ar, 2)
 
@@ -331,7 +336,9 @@ def _probe_main(spec: dict) -> None:
     import transformers  # noqa: F401 (the baseline imports what the benchmark process imports)
 
     if spec["engine"] == "clover":
-        llm = LLM(spec["model"], dtype=spec["dtype"], progress=False)
+        llm = LLM(
+            spec["model"], dtype=spec["dtype"], progress=False, compile=spec.get("compile", False)
+        )
         for name in spec["configs"]:
             CloverEngine(llm, DecoderConfig.parse(name)).run(group, n)
     elif spec["engine"] == "transformers":

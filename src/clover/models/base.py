@@ -16,6 +16,7 @@ Without a cache, "causal"/"block" run on a fresh one (the uncached reference).
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from typing import Literal
 
@@ -132,17 +133,47 @@ class DiffusionLM(nn.Module):
         cache.prepare(input_ids.shape[1])
         return self._run(input_ids, layout, cache.layers)
 
+    def compile_causal(self) -> None:
+        """Run passes without block tokens (prefill, AR steps, commit and verify passes)
+        through `torch.compile`d backbone code; block passes stay eager.
+
+        Why: a decode step of a small model on a CPU is mostly the fixed cost of a few
+        hundred small ops (norms, RoPE, casts, cache writes), which the compiler fuses. Why
+        not block passes: with a draft adapter they take other branches (block-token
+        gathers) and every variant compiles for minutes on a small CPU, while their time
+        is the weight matmuls. Shapes are dynamic (batch, positions, cache length), so a
+        generation compiles a handful of graphs once (about a minute each on 2 cores,
+        cached on disk by PyTorch for the next process). Inference only: the eager
+        backbone is the reference (`test_compile_causal_matches_eager`)."""
+        import shutil
+
+        import torch._dynamo
+
+        on_cpu = next(self.parameters()).device.type == "cpu"
+        compilers = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
+        if on_cpu and not any(c and shutil.which(c) for c in compilers):
+            raise CloverError("compiling for CPU needs a C++ compiler (g++ or clang++; CXX)")
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 32))  # B=1/T=1 specialize: a few graphs
+        self.compiled_backbone = torch.compile(self.backbone, dynamic=True)
+
     def _run(
         self, input_ids: torch.Tensor, layout: StepLayout, caches: list | None
     ) -> torch.Tensor:
         adapter = getattr(self, "draft_adapter", None)
-        if adapter is None:
-            return self.backbone(input_ids, layout, caches)
-        adapter.tokens.set(layout.block_tokens(), input_ids)
+        if adapter is not None:
+            adapter.tokens.set(layout.block_tokens(), input_ids)
+        backbone = self.backbone
+        compiled = getattr(self, "compiled_backbone", None)
+        idle = adapter is None or adapter.tokens.index is None
+        if compiled is not None and idle and caches is not None and not torch.is_grad_enabled():
+            backbone = compiled
         try:
-            return self.backbone(input_ids, layout, caches)
+            return backbone(input_ids, layout, caches)
         finally:
-            adapter.tokens.clear()
+            if adapter is not None:
+                adapter.tokens.clear()
 
 
 def _per_row(value: torch.Tensor | int | None, default: int, batch: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from clover.errors import CloverError
 class ServeOptions:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    compile: bool = False  # torch.compile the causal passes (warmed up while loading)
     adapter: str | None = None  # a draft adapter file (the model's own when None)
     host: str = "127.0.0.1"
     port: int = 8000

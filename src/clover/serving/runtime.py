@@ -40,7 +40,13 @@ class Runtime:
     def __init__(self, options: ServeOptions, loader: Callable[[], LLM] | None = None) -> None:
         self.options = options
         self.loader = loader or (
-            lambda: LLM(options.model, dtype=options.dtype, progress=False, adapter=options.adapter)
+            lambda: LLM(
+                options.model,
+                dtype=options.dtype,
+                progress=False,
+                adapter=options.adapter,
+                compile=options.compile,
+            )
         )
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
