@@ -34,6 +34,28 @@ def test_health_is_503_while_loading_then_200(tmp_path):
         assert httpx.post(f"{url}/v1/chat/completions", json=ASK).status_code == 200
 
 
+def test_a_compiled_model_is_warmed_for_batches_before_ready(tmp_path):
+    """With --compile, LLM warms batch 1 itself; the server also warms the batched graphs
+    (rows >= 2) before /health says ready, unless it decodes one row at a time."""
+    checkpoint = write_checkpoint(tmp_path, 256)
+    warmed: list[int] = []
+
+    def loader() -> LLM:
+        llm = LLM(str(checkpoint), dtype="float32", progress=False)
+        llm.compiled = True  # as LLM(compile=True) leaves it, without compiling in this test
+        real = llm.warm_up
+        llm.warm_up = lambda rows=1: (warmed.append(rows), real(rows))
+        return llm
+
+    for running, expected in ((8, [2]), (1, [])):
+        warmed.clear()
+        options = ServeOptions(model=str(checkpoint), compile=True, max_running=running)
+        with serve_in_thread(options, loader) as url:
+            assert httpx.get(f"{url}/health").status_code == 200
+            assert warmed == expected
+            assert httpx.post(f"{url}/v1/chat/completions", json=ASK).status_code == 200
+
+
 def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--model", str(missing), "--port", "0"]

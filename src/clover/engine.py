@@ -246,13 +246,15 @@ class LLM:
         self.compiled = compile
         if compile:
             self.model.compile_causal()
-            self._warm_up()
+            self.warm_up(rows=1)
         self.load_seconds = time.perf_counter() - t0
 
-    def _warm_up(self) -> None:
-        """One prefill and two AR steps at batch 1: the graphs a first request needs."""
-        prompt = self.encode("Hello")
-        for _ in generate(self.model, [prompt], make_policy("ar"), max_new_tokens=3):
+    def warm_up(self, rows: int = 1) -> None:
+        """A prefill and two AR steps of `rows` rows at different lengths: with `compile`,
+        what makes the graphs a first request of that many rows needs (batch 1 and batch >= 2
+        are separate graphs; a server decoding several rows together warms both)."""
+        prompts = [self.encode("Hello" + " there" * i) for i in range(rows)]
+        for _ in generate(self.model, prompts, make_policy("ar"), max_new_tokens=3):
             pass
 
     @property

@@ -156,7 +156,10 @@ class DiffusionLM(nn.Module):
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 32))  # B=1/T=1 specialize: a few graphs
-        self.compiled_backbone = torch.compile(self.backbone, dynamic=True)
+        # cpp_wrapper: the generated code calls its kernels from C++, not Python (a decode
+        # step's backbone 10.3 -> 9.1 ms on the default model, profiled here)
+        options = {"cpp_wrapper": True} if on_cpu else None
+        self.compiled_backbone = torch.compile(self.backbone, dynamic=True, options=options)
 
     def _run(
         self, input_ids: torch.Tensor, layout: StepLayout, caches: list | None

@@ -67,6 +67,8 @@ class Runtime:
     def _load(self) -> None:
         try:
             llm = self.loader()
+            if getattr(llm, "compiled", False) and self.options.max_running > 1:
+                llm.warm_up(rows=2)  # the batched graphs too, before the server says ready
             scheduler = Scheduler(llm, self.options.max_running, self.options.max_queue)
             o = self.options
             defaults = GenerationSettings(
