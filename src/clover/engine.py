@@ -250,12 +250,16 @@ class LLM:
         self.load_seconds = time.perf_counter() - t0
 
     def warm_up(self, rows: int = 1) -> None:
-        """A prefill and two AR steps of `rows` rows at different lengths: with `compile`,
-        what makes the graphs a first request of that many rows needs (batch 1 and batch >= 2
-        are separate graphs; a server decoding several rows together warms both)."""
-        prompts = [self.encode("Hello" + " there" * i) for i in range(rows)]
-        for _ in generate(self.model, prompts, make_policy("ar"), max_new_tokens=3):
-            pass
+        """With `compile`: run the decoding loop as a first request of `rows` rows would (a
+        chat prompt; `ar`, then `self_spec` with lookup drafts), so most graphs it needs are
+        made before it comes (measured: load ~1 min with PyTorch's cache warm, and a first
+        answer that still compiled one graph, ~10-30 s; later answers at full speed). Batch 1
+        and batch >= 2 are separate graphs; a server decoding several rows warms both."""
+        prompt = self.chat_prompt([{"role": "user", "content": "Say hello, hello, hello."}])
+        prompts = [prompt[: len(prompt) - i] for i in range(rows)]
+        for policy in (make_policy("ar"), make_policy("self_spec", block_size=4, draft="lookup")):
+            for _ in generate(self.model, prompts, policy, max_new_tokens=8):
+                pass
 
     @property
     def eos_token_ids(self) -> list[int]:
