@@ -198,8 +198,7 @@ class LLM:
         """adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
-        warm them up here (prefill + AR step at batch 1: about a minute or two on 2 cores the
-        first time, less once PyTorch's on-disk cache holds the graphs)."""
+        warm them up here at batch 1 (`warm_up`)."""
         if dtype not in DTYPES and dtype != "auto":
             raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
         t0 = time.perf_counter()

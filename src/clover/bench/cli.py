@@ -57,6 +57,11 @@ def _plot(fn_name: str, *args: object) -> list[str]:
 # --- speed ---------------------------------------------------------------------------------------
 
 
+def _our_rss_key(dtype: str, compiled: bool) -> str:
+    """The peak-RSS probe of one loaded copy of our model (a precision, maybe compiled)."""
+    return f"clover {dtype}{' compiled' if compiled else ''}"
+
+
 def cmd_speed(a: argparse.Namespace) -> int:
     import torch
 
@@ -122,8 +127,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         base.update(threads=torch.get_num_threads(), gguf=str(gguf), pad_id=pad_id)
         specs = {"baseline (python + torch + transformers, no model)": dict(engine="none")}
         for llm in ours:
-            key = f"clover {llm.dtype}{' compiled' if llm.compiled else ''}"
-            specs[key] = dict(
+            specs[_our_rss_key(llm.dtype, llm.compiled)] = dict(
                 engine="clover",
                 dtype=llm.dtype,
                 compile=llm.compiled,
@@ -136,8 +140,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
             _log(f"peak RSS probe: {name}")
             rss[name] = probe_rss({**base, **spec})
         for name, row in rows.items():
-            key = f"clover {row['precision']}" if row["engine"] == "clover" else name
-            key += " compiled" if row.get("compiled") else ""
+            ours_row = row["engine"] == "clover"
+            key = _our_rss_key(row["precision"], row.get("compiled", False)) if ours_row else name
             row["peak_rss_mb"] = rss.get(key)
     report = {
         "benchmark": "clover bench speed",

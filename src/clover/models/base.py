@@ -54,6 +54,7 @@ class DiffusionLM(nn.Module):
 
     config: object  # the architecture's config dataclass
     kv_cache_dtype: torch.dtype | None = None  # None: `cache.kv_dtype`'s rule
+    compiled_backbone = None  # set by `compile_causal`
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         raise NotImplementedError
@@ -167,10 +168,10 @@ class DiffusionLM(nn.Module):
         if adapter is not None:
             adapter.tokens.set(layout.block_tokens(), input_ids)
         backbone = self.backbone
-        compiled = getattr(self, "compiled_backbone", None)
         idle = adapter is None or adapter.tokens.index is None
-        if compiled is not None and idle and caches is not None and not torch.is_grad_enabled():
-            backbone = compiled
+        if self.compiled_backbone is not None and idle and caches is not None:
+            if not torch.is_grad_enabled():
+                backbone = self.compiled_backbone
         try:
             return backbone(input_ids, layout, caches)
         finally:
