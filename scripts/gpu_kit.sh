@@ -30,7 +30,22 @@ rm .gpu/base.gguf.xz
 version=$("$PY" -c "import importlib.metadata as m; print(m.version('gguf'))")
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "gguf==$version"
 if [ -f "$DATA/distill.jsonl" ]; then
-  xz -9 -c "$DATA/distill.jsonl" > .gpu/distill.jsonl.xz
+  # call 2's room (the tree grows between sessions): keep the examples that fit, in order
+  room=$(( 63 * 1048576 - tree - $(du -cb .gpu/base.part01 .gpu/wheels .gpu/tokenizer | tail -1 | cut -f1) ))
+  "$PY" - "$DATA/distill.jsonl" .gpu/distill.jsonl.xz "$room" <<'PY'
+import lzma, sys
+src, dst, room = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lines = open(src, "rb").readlines()
+keep = len(lines)
+while keep:
+    blob = lzma.compress(b"".join(lines[:keep]), preset=9)
+    if len(blob) <= room:
+        break
+    keep = int(keep * room / len(blob) * 0.97)
+if keep:
+    open(dst, "wb").write(blob)
+print(f"distillation data: {keep} of {len(lines)} examples carried")
+PY
 else
   echo "note: no $DATA/distill.jsonl: the GPU run distils from scratch"
 fi
