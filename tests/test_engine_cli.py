@@ -140,9 +140,10 @@ def test_cli_chat_clear_and_interrupt(tiny_checkpoint, capsys, monkeypatch):
     assert "(history cleared)" in capsys.readouterr().out
 
 
-def test_compile_flag_reaches_the_model(monkeypatch, capsys):
-    """`--compile` (generate, chat, serve) asks LLM for the compiled causal passes; the
-    compiled path itself is checked against eager in test_adapter."""
+def test_compile_and_device_flags_reach_the_model(monkeypatch, capsys):
+    """`--compile` (generate, chat, serve) asks LLM for the compiled causal passes (the
+    compiled path itself is checked against eager in test_adapter); `--device` picks where
+    the model runs (cpu unless asked)."""
     from clover.cli import build_parser, main
 
     seen = {}
@@ -157,5 +158,61 @@ def test_compile_flag_reaches_the_model(monkeypatch, capsys):
     assert seen["compile"] is True
     assert "not loading" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi"]) == 1 and seen["compile"] is False
+    assert seen["device"] == "cpu"
+    assert main(["chat", "--device", "auto"]) == 1
+    assert seen["device"] == "auto"
     assert build_parser().parse_args(["chat", "--compile"]).compile
     assert build_parser().parse_args(["serve", "--compile"]).compile
+    assert build_parser().parse_args(["serve", "--device", "cuda:1"]).device == "cuda:1"
+
+
+def test_device_rules(monkeypatch):
+    """Where a model may run and at what precision: bad names and absent GPUs are clear
+    errors before anything loads; off the CPU, auto means bfloat16 and the CPU-only int4 /
+    int8 kernels are refused (the server checks this before it opens its socket)."""
+    import torch
+
+    from clover.engine import device_dtype, resolve_device
+    from clover.serving.options import ServeOptions
+
+    with pytest.raises(CloverError, match="expected cpu, cuda"):
+        resolve_device("gpu0")
+    with pytest.raises(CloverError, match="expected cpu, cuda"):
+        LLM("clover-tiny", device="tpu")
+    assert resolve_device("cpu").type == "cpu" and device_dtype(torch.device("cpu"), "int4")
+    cuda = torch.device("cuda")
+    assert device_dtype(cuda, "auto") == "bfloat16" and device_dtype(cuda, "float32")
+    with pytest.raises(CloverError, match="int4 is a CPU precision"):
+        device_dtype(cuda, "int4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto").type == "cpu"
+    with pytest.raises(CloverError, match="no CUDA device is visible"):
+        LLM("clover-tiny", device="cuda")
+    with pytest.raises(CloverError, match="no CUDA device"):
+        ServeOptions(device="cuda").check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing touches it here
+    assert resolve_device("auto") == cuda
+    with pytest.raises(CloverError, match="int8 is a CPU precision"):
+        ServeOptions(device="cuda", dtype="int8").check()
+    ServeOptions(device="cuda", dtype="bfloat16").check()
+
+
+def test_the_decoding_loop_runs_on_the_models_device():
+    """BatchDecoder's add / step / cancel run with PyTorch's tensor factories defaulting to
+    the model's device (so on a GPU every tensor the loop and the model make lands there);
+    on the CPU they change nothing."""
+    import torch
+
+    from clover.decoding.loop import on_model_device
+
+    class Probe:
+        @on_model_device
+        def where(self):
+            return torch.empty(0).device
+
+    probe = Probe()
+    probe.device = torch.device("meta")  # a device no CPU tensor lives on
+    assert probe.where().type == "meta"
+    assert torch.empty(0).device.type == "cpu"  # only for the call
+    probe.device = torch.device("cpu")
+    assert probe.where().type == "cpu"

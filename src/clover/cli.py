@@ -34,12 +34,18 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _compile_arg(p: argparse.ArgumentParser) -> None:
+def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the causal passes (AR steps, verification, prefill): faster "
         "steps after a slow start (a minute or two on a small CPU, cached for the next run)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda, cuda:N or auto (cuda when one is visible); on a GPU "
+        "--dtype auto means bfloat16",
     )
 
 
@@ -96,6 +102,7 @@ def _load(a: argparse.Namespace, quiet: bool = False) -> object:
         progress=not quiet,
         adapter=getattr(a, "adapter", None),
         compile=getattr(a, "compile", False),
+        device=getattr(a, "device", "cpu"),
     )
 
 
@@ -132,6 +139,7 @@ def _stats(c: Completion, llm: object) -> dict:
         "model": llm.name,
         "dtype": llm.dtype,
         "compiled": llm.compiled,
+        "device": str(llm.device),
     }
 
 
@@ -323,6 +331,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         adapter=a.adapter,
         dtype=a.dtype,
         compile=a.compile,
+        device=a.device,
         host=a.host,
         port=a.port,
         api_key=a.api_key or os.environ.get("CLOVER_API_KEY") or None,
@@ -378,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer one prompt, streaming")
     _model_args(g)
-    _compile_arg(g)
+    _runtime_args(g)
     _generation_args(g)
     g.add_argument("--prompt", "-p", help="prompt text ('-' or omitted: read stdin)")
     g.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template")
@@ -387,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="multi-turn chat in the terminal")
     _model_args(c)
-    _compile_arg(c)
+    _runtime_args(c)
     _generation_args(c)
     c.add_argument("--verbose", "-v", action="store_true")
     c.set_defaults(func=cmd_chat)
@@ -437,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
     s = sub.add_parser("serve", help="OpenAI-compatible server with a web page")
     _model_args(s)
-    _compile_arg(s)
+    _runtime_args(s)
     _serve_args(s)
     s.set_defaults(func=cmd_serve)
     from clover.bench.cli import add_bench_parser

@@ -139,10 +139,25 @@ def resolve_device(name: str) -> torch.device:
     device that is not visible is a clear error here rather than a crash later."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise CloverError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CloverError(f"--device {name}: no CUDA device is visible")
     return dev
+
+
+def device_dtype(device: torch.device, dtype: str) -> str:
+    """The precision to load at on `device`: off the CPU, auto means bfloat16 and the
+    weight-only int4/int8 kernels (CPU ones) are refused."""
+    if device.type == "cpu":
+        return dtype
+    if dtype in ("int4", "int8"):
+        raise CloverError(
+            f"--dtype {dtype} is a CPU precision; on {device} use bfloat16 or float32"
+        )
+    return "bfloat16" if dtype == "auto" else dtype
 
 
 def cpu_has_bf16() -> bool:
@@ -194,13 +209,18 @@ class LLM:
         progress: bool = True,
         adapter: str | Path | None = None,
         compile: bool = False,
+        device: str = "cpu",
     ) -> None:
         """adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
-        warm them up here at batch 1 (`warm_up`)."""
+        warm them up here at batch 1 (`warm_up`). device: cpu, cuda, cuda:N or auto
+        (`resolve_device`): weights load on the CPU, then move; on a GPU, dtype auto is
+        bfloat16 (int4 and int8 are CPU kernels)."""
         if dtype not in DTYPES and dtype != "auto":
             raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
+        self.device = resolve_device(device)
+        dtype = device_dtype(self.device, dtype)
         t0 = time.perf_counter()
         if model in PRESETS:
             self.resolved, directory = None, None
@@ -240,6 +260,7 @@ class LLM:
 
             keep_float32(self.model)
         self.dtype = dtype
+        self.model.to(self.device)
         self.directory = directory
         self.config = self.model.config
         self.compiled = compile

@@ -90,10 +90,8 @@ def distill(
     if max_minutes is not None and max_minutes <= 0:
         raise CloverError("max_minutes must be > 0")
     dev = resolve_device(device)
-    if dev.type != "cpu" and dtype in ("auto", "int4", "int8"):
-        if dtype != "auto":
-            raise CloverError(f"--dtype {dtype} is a CPU precision; use float32 or bfloat16")
-        dtype = "float32"
+    if dev.type != "cpu" and dtype == "auto":
+        dtype = "float32"  # the teacher's distributions: the GGUF's levels, unrounded
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "distill.jsonl"
@@ -101,8 +99,7 @@ def distill(
     prompts = prompt_set(n_prompts, seed)
     done = done_ids(path)
     todo = [p for p in prompts if p["id"] not in done]
-    llm = LLM(model, dtype=dtype, progress=progress)
-    llm.model.to(dev)
+    llm = LLM(model, dtype=dtype, progress=progress, device=str(dev))
     meta = {
         "teacher": llm.name,
         "dtype": llm.dtype,

@@ -12,6 +12,7 @@ visualisers all consume that stream. NFE counts forward passes a row took part i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,6 +69,21 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
         )
 
 
+def on_model_device(method: Callable) -> Callable:
+    """Run a BatchDecoder method with PyTorch's tensor factories defaulting to the model's
+    device, so every tensor the loop, the rows, the cache and the model make lands there (a
+    GPU); on the CPU nothing changes. Entered per call, never across a yield."""
+
+    @functools.wraps(method)
+    def wrapper(self: BatchDecoder, *args: object, **kwargs: object) -> object:
+        if self.device.type == "cpu":
+            return method(self, *args, **kwargs)
+        with torch.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class BatchDecoder:
     """Sequences decoded together, one forward per step; rows may join (`add`) and leave
     (`cancel`) between steps, each with its own policy, sampling, budget, EOS ids and stop
@@ -83,6 +99,7 @@ class BatchDecoder:
         self.step_count = 0
         self._next = 0
 
+    @on_model_device
     def add(
         self,
         prompt: list[int],
@@ -126,6 +143,7 @@ class BatchDecoder:
         self.active.append(row)
         return row
 
+    @on_model_device
     def cancel(self, index: int) -> bool:
         """Drop a row at once (a client went away); False if it is not running."""
         for k, r in enumerate(self.active):
@@ -155,6 +173,7 @@ class BatchDecoder:
                 plans[k] = r.shorten(width - core[k], self.mask_id)
         return plans
 
+    @on_model_device
     def step(self) -> StepEvent:
         """One forward over every active row, then each row commits; finished rows leave."""
         t0 = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clover.decoding.policies import DECODERS, DRAFTS
-from clover.engine import DEFAULT_MODEL
+from clover.engine import DEFAULT_MODEL, device_dtype, resolve_device
 from clover.errors import CloverError
 
 
@@ -14,6 +14,7 @@ class ServeOptions:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     compile: bool = False  # torch.compile the causal passes (warmed up while loading)
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto (clover.engine.resolve_device)
     adapter: str | None = None  # a draft adapter file (the model's own when None)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -33,6 +34,7 @@ class ServeOptions:
     access_log: bool = False
 
     def check(self) -> None:
+        device_dtype(resolve_device(self.device), self.dtype)
         if not 0 <= self.port <= 65535:
             raise CloverError(f"--port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():

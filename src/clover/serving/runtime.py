@@ -46,6 +46,7 @@ class Runtime:
                 progress=False,
                 adapter=options.adapter,
                 compile=options.compile,
+                device=options.device,
             )
         )
         self.llm: LLM | None = None
