@@ -250,6 +250,7 @@ def test_cli_quality_speed_plot(tiny_checkpoint, tmp_path, capsys):
     assert rc == 0
     report = json.loads(s.read_text())
     assert "peers skipped" in report["notes"][0]  # an HF directory: no GGUF for the peers
+    assert report["settings"]["device"] == "cpu"
     row = report["rows"]["clover self_spec:2 float32"]
     assert row["batch"]["2"]["output_tokens_per_row"] == 4
     rss = report["peak_rss_mb"]
@@ -259,3 +260,9 @@ def test_cli_quality_speed_plot(tiny_checkpoint, tmp_path, capsys):
     assert main(["bench", "plot", str(s), str(q)]) == 0
     assert s.with_suffix(".png").is_file()
     assert "clover ar float32" in capsys.readouterr().out
+
+
+def test_cli_speed_on_a_missing_gpu_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["bench", "speed", "-m", "clover-tiny", "--device", "cuda", "--no-rss"]) == 1
+    assert "no CUDA device is visible" in capsys.readouterr().err

@@ -91,14 +91,19 @@ def cmd_speed(a: argparse.Namespace) -> int:
     notes: list[str] = []
     llms: dict[str, object] = {}
     for dt in (a.dtypes or "auto,float32").split(","):
-        llm = LLM(a.model, dtype=dt.strip(), progress=False)
+        llm = LLM(a.model, dtype=dt.strip(), progress=False, device=a.device)
         llms.setdefault(llm.dtype, llm)  # `auto` may resolve to float32 itself
     compiled = []
     if a.compile:  # a second, compiled copy per precision: rows side by side with eager
         for dt in list(llms):
             _log(f"compiling the causal passes at {dt} (slow the first time)")
-            compiled.append(LLM(a.model, dtype=dt, progress=False, compile=True))
+            compiled.append(LLM(a.model, dtype=dt, progress=False, compile=True, device=a.device))
     first = next(iter(llms.values()))
+    device = first.device
+    if device.type != "cpu":  # peers and RSS probes measure CPU processes: not side by side
+        if peers:
+            notes.append(f"peers skipped: they run on the CPU here, our rows on {device}")
+        peers, a.no_rss = set(), True
     prompts = [first.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS[:n_prompts]]
     ours = list(llms.values()) + compiled
     engines: list[object] = [CloverEngine(llm, c) for llm in ours for c in configs]
@@ -158,6 +163,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
                 "transformers": "float32 (the GGUF dequantized by transformers)",
                 "llama.cpp": f"{gguf_type} (the GGUF as it is)" if gguf_type else None,
             },
+            "device": str(device)
+            + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
             "tokens_per_row": tokens,
             "reps": reps,
             "prompts": PROMPTS[:n_prompts],
@@ -332,6 +339,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", help="results JSON (default benchmarks/results/bench-speed-*.json)")
     s.add_argument("--quick", action="store_true", help="a smoke run: short, our default dtype")
     s.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
+    s.add_argument(
+        "--device",
+        default="cpu",
+        help="where our rows run: cpu (default), cuda, "
+        "cuda:N or auto; off the CPU, peers and RSS probes are skipped",
+    )
     s.add_argument("--compile", action="store_true",
                    help="also rows with torch.compile'd causal passes, per precision")  # fmt: skip
     s.add_argument("--no-plot", action="store_true")
