@@ -11,7 +11,7 @@
 # base model on the GPU (continuing the carried set), continues training the shipped adapter
 # (configs/adapt-gpu.yaml) inside a time box, and puts the adapter, metrics and logs in $OUT;
 # then, time left, `clover bench gpu` (the 35B-A3B shape, random weights) and `clover generate
-# --device` with both decoders (inference on the device).
+# --device` with both decoders (inference on the device), and `clover bench speed --device cuda`.
 # Every stage is time-boxed so the call ends inside the device tool's 10 minutes.
 # Rehearse it here on CPU first: DEVICE=cpu REHEARSAL=1 bash scripts/gpu_adapt.sh stash && ... run
 set -uo pipefail
@@ -82,5 +82,12 @@ if [ $(( $(date +%s) - t0 + 60 )) -lt 580 ]; then  # inference on the device, bo
       --prompt "Name three primary colors." >> "$OUT/generate.log" 2>&1
     say "generate on $DEVICE ${args:+(low_confidence, new adapter) }exit $?"
   done
+fi
+if [ "$DEVICE" = cuda ] && [ $(( $(date +%s) - t0 + 110 )) -lt 580 ]; then  # diffusion vs ar there
+  limit 100 "$PY" -m clover.cli bench speed --device cuda --dtypes bfloat16 --peers '' \
+    --configs ar,self_spec:4:lookup,low_confidence:4:0.7:slide,low_confidence:32:0.95 \
+    --tokens 64 --reps 2 --prompts 2 --batch 1,8 --no-plot \
+    --out "$OUT/bench-speed-gpu-clover-smol-135m.json" > "$OUT/bench-speed.log" 2>&1
+  say "bench speed on cuda exit $?"
 fi
 say "done"
