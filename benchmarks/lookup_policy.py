@@ -39,7 +39,7 @@ from clover.decoding.rows import NgramIndex
 from clover.engine import LLM
 
 SUITE = Path("benchmarks/suites/quality.jsonl")
-NGRAM_SIZES = ((3, 2), (4, 3, 2), (3,), (2,))
+NGRAM_SIZES = ((3, 2), (4, 3, 2), (3,), (2,), (3, 2, 1))
 LONGEST = (1, 2, 3, 4, 5, 7)
 
 
