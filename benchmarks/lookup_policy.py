@@ -135,7 +135,10 @@ def main() -> int:
     print("verify pass ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in costs.items()))
     answers = ar_answers(llm, prompts, a.max_tokens, a.batch_size)
     tokens = sum(map(len, answers))
-    ar_ms = {k: costs[1] * sum(len(x) for x, kk in zip(answers, kinds) if kk == k) for k in kinds}
+    kind_tokens: dict[str, int] = {}
+    for answer, kind in zip(answers, kinds):
+        kind_tokens[kind] = kind_tokens.get(kind, 0) + len(answer)
+    ar_ms = {k: costs[1] * n for k, n in kind_tokens.items()}  # AR: one width-1 pass a token
     # the replay is the decoder: on answers it reproduces, its pass count must be the real NFE
     check = {"items": 0, "same_answer": 0, "same_passes": 0}
     spec = make_policy("self_spec", block_size=4, draft="lookup")
