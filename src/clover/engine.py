@@ -8,8 +8,7 @@ directory under the user cache, so later starts read safetensors directly.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -21,13 +20,12 @@ from clover.decoding.loop import RowResult, generate
 from clover.decoding.policies import Policy, make_policy
 from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
-from clover.registry import ResolvedModel, cache_dir, resolve
+from clover.registry import ResolvedModel, resolve
 from clover.tokenizer import Tokenizer
 from clover.weights import model_from_state, read_config, read_gguf, read_hf_dir, save_checkpoint
 
 DEFAULT_MODEL = "clover-smol-135m"  # SmolLM2-135M-Instruct + our draft adapter (MODEL_CARD.md)
 BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
-CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -93,44 +91,41 @@ class TextDelta:
     text: str
 
 
-def converted_dir(resolved: ResolvedModel) -> Path:
-    """Where a GGUF file's converted checkpoint lives (keyed by file identity + overrides)."""
-    stat = resolved.path.stat()
-    overrides = resolved.entry.overrides if resolved.entry else {}
-    key = json.dumps(
-        [
-            str(resolved.path.resolve()),
-            stat.st_size,
-            stat.st_mtime_ns,
-            overrides,
-            CONVERSION_VERSION,
-        ]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{resolved.path.stem}-{digest}"
-
-
 def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
-    """An HF-format directory for the model, converting a GGUF file on first use."""
+    """An HF-format directory for the model, converting a GGUF file on first use (clover.cache:
+    keyed by the file's bytes, stale conversions pruned after a new one)."""
     if resolved.kind == "hf":
         return resolved.path
-    target = converted_dir(resolved)
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        return target
+    import shutil
+    import tempfile
+
+    from clover import cache
     from clover.gguf_tokenizer import convert_gguf_tokenizer
 
+    sha = cache.file_sha256(resolved.path, progress)
+    overrides = resolved.entry.overrides if resolved.entry else {}
+    target = cache.converted_dir(resolved.path, sha, overrides)
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        cache.note_use(target, resolved.path, sha)
+        return target
     config, state = read_gguf(resolved.path, progress=progress)
-    if resolved.entry:
-        config.update(resolved.entry.overrides)
+    config.update(overrides)
     model = model_from_state(config, state, resolved.path.name, torch.float32)
-    tok_dir = target.parent / f".{target.name}.tokenizer"
-    convert_gguf_tokenizer(resolved.path, tok_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
     try:
-        save_checkpoint(model, target, extra_files=sorted(tok_dir.iterdir()))
+        convert_gguf_tokenizer(resolved.path, extras)
+        cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
+        save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
     finally:
-        import shutil
-
-        shutil.rmtree(tok_dir, ignore_errors=True)
+        shutil.rmtree(extras, ignore_errors=True)
+    removed = cache.prune(keep=(target,))
+    if progress and removed:
+        freed = sum(e.bytes for e in removed) / 1e9
+        print(
+            f"removed {len(removed)} stale converted checkpoint(s), {freed:.1f} GB",
+            file=sys.stderr,
+        )
     return target
 
 
