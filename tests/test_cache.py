@@ -1,5 +1,6 @@
 """The conversion cache (clover.cache): keyed by the GGUF's bytes, sources recorded, pruning."""
 
+import errno
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import pytest
 
 from clover import cache, engine
 from clover.cli import main
+from clover.errors import CloverError
 from clover.registry import resolve
 from tests.conftest import tiny_model
 from tests.test_weights import write_tiny_gguf
@@ -141,3 +143,15 @@ def test_a_closed_pipe_ends_quietly(tmp_path, cache_root, monkeypatch):
         monkeypatch.setattr("sys.stdout", out)
         assert main(["cache"]) == 141
         out.write("after\n")  # the descriptor now leads to /dev/null: no second error
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path, cache_root, monkeypatch):
+    a = make_gguf(tmp_path / "a")
+
+    def full(model, directory, extra_files=()):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(engine, "save_checkpoint", full)
+    with pytest.raises(CloverError, match=r"No space left on device; .*\$CLOVER_CACHE"):
+        engine.prepare_checkpoint(resolve(str(a)), progress=False)
+    assert list(cache_root.iterdir()) == []

@@ -7,7 +7,7 @@ float32; keyed by path, every clean-clone test run added one). Each entry record
 was made from, with their size and mtime, in `sources.json`, which serves two purposes:
 - the file is hashed once per (path, size, mtime), not at every start;
 - an entry none of whose recorded files still exists unchanged can never be reached again, so
-  `prune` removes it: after every new conversion, and on `clover cache prune`.
+  `prune` removes it: before every new conversion, and on `clover cache prune`.
 """
 
 from __future__ import annotations

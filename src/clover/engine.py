@@ -93,7 +93,7 @@ class TextDelta:
 
 def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
     """An HF-format directory for the model, converting a GGUF file on first use (clover.cache:
-    keyed by the file's bytes, stale conversions pruned after a new one)."""
+    keyed by the file's bytes; stale conversions are pruned before a new one is written)."""
     if resolved.kind == "hf":
         return resolved.path
     import shutil
@@ -108,24 +108,31 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         cache.note_use(target, resolved.path, sha)
         return target
-    config, state = read_gguf(resolved.path, progress=progress)
-    config.update(overrides)
-    model = model_from_state(config, state, resolved.path.name, torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
-    try:
-        convert_gguf_tokenizer(resolved.path, extras)
-        cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
-        save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
-    finally:
-        shutil.rmtree(extras, ignore_errors=True)
-    removed = cache.prune(keep=(target,))
+    removed = cache.prune()  # before writing: a full disk may be full of stale copies
     if progress and removed:
         freed = sum(e.bytes for e in removed) / 1e9
         print(
-            f"removed {len(removed)} stale converted checkpoint(s), {freed:.1f} GB",
-            file=sys.stderr,
+            f"removed {len(removed)} stale converted checkpoint(s), {freed:.1f} GB", file=sys.stderr
         )
+    config, state = read_gguf(resolved.path, progress=progress)
+    config.update(overrides)
+    model = model_from_state(config, state, resolved.path.name, torch.float32)
+    extras = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
+        convert_gguf_tokenizer(resolved.path, extras)
+        cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
+        save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
+    except OSError as e:
+        need = sum(p.numel() for p in model.parameters()) * 4 / 1e9
+        raise CloverError(
+            f"cannot write the converted checkpoint ({need:.1f} GB, float32) to {target.parent}: "
+            f"{e.strerror or e}; free space there or point $CLOVER_CACHE elsewhere"
+        ) from None
+    finally:
+        if extras is not None:
+            shutil.rmtree(extras, ignore_errors=True)
     return target
 
 
