@@ -131,12 +131,15 @@ def entries() -> list[CacheEntry]:
     return out
 
 
-def prune(keep: tuple[Path, ...] = ()) -> list[CacheEntry]:
+def prune() -> list[CacheEntry]:
     """Remove the entries no recorded file can reach any more (and conversions that died
     midway); returns what was removed."""
-    removed = []
-    for e in entries():
-        if not e.live and e.path not in keep:
-            shutil.rmtree(e.path, ignore_errors=True)
-            removed.append(e)
+    removed = [e for e in entries() if not e.live]
+    for e in removed:
+        shutil.rmtree(e.path, ignore_errors=True)
     return removed
+
+
+def removed_summary(removed: list[CacheEntry]) -> str:
+    freed = sum(e.bytes for e in removed) / 1e9
+    return f"removed {len(removed)} stale converted checkpoint(s), {freed:.2f} GB"

@@ -298,9 +298,7 @@ def cmd_cache(a: argparse.Namespace) -> int:
     from clover import cache
 
     if a.action == "prune":
-        removed = cache.prune()
-        freed = sum(e.bytes for e in removed) / 1e9
-        print(f"removed {len(removed)} stale converted checkpoint(s), {freed:.2f} GB")
+        print(cache.removed_summary(cache.prune()))
         return 0
     found = cache.entries()
     if a.json:

@@ -110,10 +110,7 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
         return target
     removed = cache.prune()  # before writing: a full disk may be full of stale copies
     if progress and removed:
-        freed = sum(e.bytes for e in removed) / 1e9
-        print(
-            f"removed {len(removed)} stale converted checkpoint(s), {freed:.1f} GB", file=sys.stderr
-        )
+        print(cache.removed_summary(removed), file=sys.stderr)
     config, state = read_gguf(resolved.path, progress=progress)
     config.update(overrides)
     model = model_from_state(config, state, resolved.path.name, torch.float32)

@@ -167,11 +167,13 @@ class DiffusionLM(nn.Module):
         adapter = getattr(self, "draft_adapter", None)
         if adapter is not None:
             adapter.tokens.set(layout.block_tokens(), input_ids)
-        backbone = self.backbone
-        idle = adapter is None or adapter.tokens.index is None
-        if self.compiled_backbone is not None and idle and caches is not None:
-            if not torch.is_grad_enabled():
-                backbone = self.compiled_backbone
+        compiled = (
+            self.compiled_backbone is not None
+            and caches is not None
+            and (adapter is None or adapter.tokens.index is None)  # no block tokens
+            and not torch.is_grad_enabled()
+        )
+        backbone = self.compiled_backbone if compiled else self.backbone
         try:
             return backbone(input_ids, layout, caches)
         finally:
