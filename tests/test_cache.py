@@ -99,6 +99,12 @@ def test_prune_removes_only_unreachable_entries(tmp_path, cache_root, capsys):
     assert sum(e.bytes for e in removed) == 1000
     shutil.rmtree(a.parent)
     assert cache.prune() == []  # still reachable from b
+    c = copy_gguf(b, tmp_path / "c")
+    engine.prepare_checkpoint(resolve(str(c)), progress=False)  # a hit: a gone file is dropped
+    assert sorted(cache.read_sources(entry)["files"]) == sorted(
+        [str(b.resolve()), str(c.resolve())]
+    )
+    shutil.rmtree(c.parent)
     shutil.rmtree(b.parent)
     assert [e.path for e in cache.prune()] == [entry]
     assert sorted(p.name for p in cache_root.iterdir()) == [young_tmp.name]

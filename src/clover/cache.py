@@ -38,6 +38,14 @@ def _stamp(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
+def _unchanged(name: str, stamp: list[int]) -> bool:
+    """The recorded file still exists with the recorded size and mtime."""
+    try:
+        return _stamp(Path(name)) == stamp
+    except OSError:
+        return False
+
+
 def read_sources(entry: Path) -> dict:
     """{"sha256": ..., "files": {absolute path: [size, mtime_ns]}}; {} if missing or unreadable."""
     try:
@@ -77,8 +85,10 @@ def converted_dir(path: Path, sha256: str, overrides: dict) -> Path:
 
 
 def write_sources(directory: Path, path: Path, sha256: str, previous: dict | None = None) -> None:
-    """Record `path` (as it is now) among the sources of the entry in `directory`, atomically."""
-    files = dict(previous["files"]) if previous else {}
+    """Record `path` (as it is now) among the sources of the entry in `directory`, atomically;
+    recorded files that are gone or changed are dropped (deleted venvs and clones)."""
+    old = previous["files"] if previous else {}
+    files = {name: stamp for name, stamp in old.items() if _unchanged(name, stamp)}
     files[str(path.resolve())] = _stamp(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{SOURCES}.", dir=directory)
     with os.fdopen(fd, "w") as f:
@@ -112,13 +122,7 @@ def _size(path: Path) -> int:
 def _is_live(entry: Path, data: dict) -> bool:
     if entry.name.startswith("."):  # a conversion being written, or one that died midway
         return time.time() - entry.stat().st_mtime < TEMP_GRACE_S
-    for name, stamp in data.get("files", {}).items():
-        try:
-            if _stamp(Path(name)) == stamp:
-                return True
-        except OSError:
-            continue
-    return False
+    return any(_unchanged(name, stamp) for name, stamp in data.get("files", {}).items())
 
 
 def entries() -> list[CacheEntry]:
