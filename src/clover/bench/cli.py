@@ -321,7 +321,7 @@ def cmd_gpu(a: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from clover.engine import BASE_MODEL, DEFAULT_MODEL
+    from clover.checkpoints import BASE_MODEL, DEFAULT_MODEL
 
     bench = sub.add_parser("bench", help="speed and quality benchmarks (results + plots)")
     kinds = bench.add_subparsers(dest="bench", required=True)
