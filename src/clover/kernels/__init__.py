@@ -50,7 +50,7 @@ def _notice(msg: str) -> None:
 
 
 def build_dir(key: str) -> Path:
-    from clover.registry import cache_dir
+    from clover.checkpoints.registry import cache_dir
 
     return cache_dir() / "kernels" / key
 
