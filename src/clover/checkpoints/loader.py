@@ -27,6 +27,7 @@ from clover.checkpoints.gguf import read_gguf
 from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
 from clover.checkpoints.hf_dir import model_from_state, read_config, read_hf_dir, save_checkpoint
 from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
+from clover.decoding.policies import check_model_defaults
 from clover.errors import CloverError
 from clover.models.base import DiffusionLM
 from clover.tokenizer import Tokenizer
@@ -189,6 +190,7 @@ def load(
             adapter = entry.adapter_path
         for key, value in (entry.decoding if entry else {}).items():
             setattr(net.config, key, value)
+    check_model_defaults(net.config)
     if adapter is not None:
         from clover.models.adapter import load_adapter
 

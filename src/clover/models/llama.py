@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
@@ -60,7 +59,8 @@ class LlamaConfig(ConfigMixin):
     shifted: bool = True
     default_decoder: str = "low_confidence"
     block_size: int = 32
-    draft: str = "mask"  # where self_spec drafts come from (decoding.policies.DRAFTS)
+    draft: str = "mask"  # where self_spec drafts come from (checked when loaded:
+    # decoding.policies.check_model_defaults; the model layer knows no decoder names)
     extra: dict = field(default_factory=dict, repr=False)  # unknown keys, kept for saving
 
     def __post_init__(self) -> None:
@@ -101,10 +101,6 @@ class LlamaConfig(ConfigMixin):
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
         if any(not 0 <= e < self.vocab_size for e in self.eos_token_ids):
             raise CloverError(f"config: eos_token_id {self.eos_token_id} outside the vocabulary")
-        if self.default_decoder not in DECODERS:
-            raise CloverError(f"config: default_decoder {self.default_decoder!r}")
-        if self.draft not in DRAFTS:
-            raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates scaling
 
     def to_dict(self) -> dict:
