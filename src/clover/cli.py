@@ -332,6 +332,17 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clover.train.drafter import DrafterTrainConfig, train_drafter
+
+    cfg = DrafterTrainConfig.from_yaml(Path(a.config), out=a.out, steps=a.steps,
+                                       max_minutes=a.max_minutes)  # fmt: skip
+    print(json.dumps(train_drafter(cfg, progress=not a.quiet, until=a.until)))
+    return 0
+
+
 def cmd_train_adapt(a: argparse.Namespace) -> int:
     from clover.train.adapt import TrainConfig, train
 
@@ -452,6 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=cmd_data_distill)
     tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)
+    td = tr.add_parser("drafter", help="a block-diffusion drafter on a target's features")
+    td.add_argument("--config", required=True, help="YAML run config (clover.train.drafter)")
+    td.add_argument("--out", help="override the config's output directory")
+    td.add_argument("--steps", type=int, help="override the config's steps")
+    td.add_argument("--max-minutes", type=float, help="a time box for this run")
+    td.add_argument("--until", type=int, help="stop at this step (the schedule stays)")
+    td.add_argument("--quiet", action="store_true")
+    td.set_defaults(func=cmd_train_drafter)
     t = tr.add_parser("adapt", help="AR -> block-diffusion adaptation on distilled data")
     t.add_argument("--config", required=True, help="YAML run config (see clover.train.adapt)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
