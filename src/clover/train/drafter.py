@@ -192,7 +192,7 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
         hits = (logp.argmax(-1) == labels) & valid
         run = hits.long().cumprod(-1).sum(-1).float()  # leading drafts the teacher agrees with
     return loss, {
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "accepted": float(run.mean()),
         "top1": float(hits[..., 0].float().mean()),
     }
