@@ -160,3 +160,33 @@ def test_drafter_training_resumes_exactly(tiny_checkpoint, data, tmp_path):
         return [round(json.loads(x)["loss"], 5) for x in lines]
 
     assert losses("full") == losses("part")
+
+
+def test_export_in_the_speculators_format(tmp_path):
+    """The written config carries the format's keys (speculators_model_type,
+    speculators_config with algorithm / proposals / verifier, block size, mask token, feature
+    layer ids) and the weights its names; the CLI takes a drafter file."""
+    from safetensors.torch import load_file
+
+    from clover.cli import main
+
+    model = tiny_model()
+    path = save_drafter(drafter_for(model), tmp_path / "d.safetensors", dtype=torch.float32)
+    assert main(["export", str(path), str(tmp_path / "spec")]) == 0
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["aux_hidden_state_layer_ids"] == [0, 1] and config["block_size"] == 4
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3}]
+    assert spec["verifier"]["name_or_path"] == "tiny"
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 2 and layer["hidden_size"] == model.config.hidden_size
+    names = set(load_file(str(tmp_path / "spec" / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "mask_embedding"} <= names
+    assert "layers.1.self_attn.q_proj.weight" in names and "layers.0.mlp.down_proj.weight" in names
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+    with pytest.raises(CloverError, match="not empty"):
+        from clover.models.drafter import export_speculators
+
+        export_speculators(path, tmp_path / "spec", ["LlamaForCausalLM"])

@@ -315,6 +315,16 @@ def cmd_cache(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clover.models.drafter import export_speculators, read_drafter_config
+
+    if a.model.endswith(".safetensors") and Path(a.model).is_file():
+        config = read_drafter_config(Path(a.model))  # a drafter: the speculators format
+        arch = a.verifier_arch or ["LlamaForCausalLM"]
+        print(export_speculators(Path(a.model), Path(a.out_dir), arch, force=a.force))
+        print(f"(drafter for {config.target}; verifier architectures {arch})", file=sys.stderr)
+        return 0
     from clover.hf.export import export
 
     print(export(a.model, a.out_dir, dtype=a.dtype, force=a.force))
@@ -483,8 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train_adapt)
     e = sub.add_parser("export", help="write a Hugging Face style checkpoint (transformers too)")
-    e.add_argument("model", help="name, GGUF file or HF directory")
+    e.add_argument("model", help="name, GGUF file or HF directory; or a drafter file "
+                   "(clover train drafter): written in the speculators format")  # fmt: skip
     e.add_argument("out_dir", help="directory to write (must be empty unless --force)")
+    e.add_argument("--verifier-arch", action="append",
+                   help="a drafter's verifier architecture (default LlamaForCausalLM)")  # fmt: skip
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     e.set_defaults(func=cmd_export)

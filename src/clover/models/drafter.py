@@ -323,3 +323,77 @@ def load_drafter(
         raise CloverError(f"{path}: drafter file lacks {sorted(missing)[:3]}")
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     return drafter.to(dtype).eval()
+
+
+# --- the speculators format (vLLM's drafter checkpoints) ------------------------------------
+
+SPECULATORS_VERSION = "0.9.0"  # the format version written (the package's release we follow)
+
+
+def speculators_config(drafter: Drafter, verifier_architectures: list[str]) -> dict:
+    """config.json of a `speculators` DFlash checkpoint for this drafter: the drafter's
+    layers as a llama decoder-layer config, the target's feature layers as
+    `aux_hidden_state_layer_ids`, greedy proposals of block_size - 1 tokens."""
+    c = drafter.config
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "block_size": c.block_size,
+        "draft_vocab_size": c.vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": list(c.feature_layers),
+        "mask_token_id": c.mask_token_id,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        },
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": c.block_size - 1}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": c.target, "architectures": verifier_architectures},
+        },
+    }
+
+
+def speculators_state(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """Our tensors under the format's names: `fc`, `hidden_norm` (after fc), `layers.N.*`,
+    `norm`; the target's embeddings and head are not stored (the verifier's are used). Our
+    learned [MASK] input has no token in the format: it is kept as `mask_embedding`."""
+    out = {}
+    for name, t in drafter.state_dict().items():
+        out[name.replace("fc_norm.", "hidden_norm.")] = t
+    return out
+
+
+def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures: list[str],
+                       force: bool = False) -> Path:  # fmt: skip
+    """Write `out_dir/config.json` + `model.safetensors` in the speculators format."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise CloverError(f"{out_dir} is not empty (use --force to replace it)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = load_drafter(Path(drafter_file))
+    state = {k: v.contiguous() for k, v in speculators_state(drafter).items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = speculators_config(drafter, verifier_architectures)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
