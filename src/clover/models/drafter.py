@@ -179,9 +179,9 @@ class Drafter(nn.Module):
     # --- decoding: the context in a cache -------------------------------------------------------
 
     def make_cache(self, batch: int) -> ModelCache:
-        c = self.config
-        dtype = self.fc.weight.dtype
-        layers = [KVCache(batch, c.num_key_value_heads, c.head_dim, dtype) for _ in self.layers]
+        c = self.config  # float32 K/V: PyTorch's CPU attention is slow in bfloat16 (cache.py)
+        layers = [KVCache(batch, c.num_key_value_heads, c.head_dim, torch.float32)
+                  for _ in self.layers]  # fmt: skip
         return ModelCache(layers, batch, c.max_position_embeddings)
 
     def commit(self, features: torch.Tensor, counts: torch.Tensor, cache: ModelCache) -> None:
