@@ -249,12 +249,18 @@ def _save(
 def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | None = None) -> dict:
     """Train (or continue) a drafter; `until` stops at that step as a killed run would."""
     from clover.engine import LLM
-    from clover.models.drafter import new_drafter
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(cfg.target, dtype=cfg.target_dtype, progress=progress)
-    target = llm.model
+    llm = LLM(cfg.target, dtype=cfg.target_dtype, progress=progress, device=cfg.device)
+    with torch.device(cfg.device):  # every tensor the run makes lands beside the target
+        return _train_drafter(cfg, llm.model, out, progress, until)
+
+
+def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, progress: bool,
+                   until: int | None) -> dict:  # fmt: skip
+    from clover.models.drafter import new_drafter
+
     for p in target.parameters():
         p.requires_grad_(False)
     train, heldout, unseen = load_sets(cfg)
@@ -262,14 +268,14 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | N
     overrides = {"num_hidden_layers": cfg.layers, "block_size": cfg.block_size}
     if cfg.feature_layers:
         overrides["feature_layers"] = list(cfg.feature_layers)
-    drafter = new_drafter(target, cfg.target, **overrides).float().train()
+    drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
     head = head_weight(target)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     step, order, elapsed = 0, [], 0.0
     ckpt = out / "checkpoint" / "state.pt"
     if ckpt.exists():  # continue: the drafter, optimizer, data order and schedule
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=cfg.device)
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         step, order, elapsed = state["step"], state["order"], state.get("elapsed", 0.0)
