@@ -95,11 +95,19 @@ class PrefixCache:
     """Committed K/V and recurrent snapshots of earlier sequences, reused by token prefix."""
 
     def __init__(
-        self, capacity_bytes: int, *, block_tokens: int = 16, snapshot_every: int = 1024
+        self,
+        capacity_bytes: int,
+        *,
+        block_tokens: int = 16,
+        snapshot_every: int = 1024,
+        recurrent: bool = False,
     ) -> None:
+        """recurrent: the model has recurrent layers (resume only at snapshots); informs
+        callers (`LLM.chat_marks`), the decoder reads its own cache's layers."""
         if capacity_bytes < 0 or block_tokens < 1 or snapshot_every < 1:
             raise CloverError("prefix cache: capacity >= 0, block and snapshot sizes >= 1")
         self.capacity = int(capacity_bytes)
+        self.recurrent = recurrent
         self.block_tokens = block_tokens
         self.snapshot_every = snapshot_every
         self.root = Block(0, None, (), None, 0)
@@ -134,7 +142,8 @@ class PrefixCache:
             kv = sum(_nbytes(list(c.copy_out(0, 0, 1))) for c in layers if not c.recurrent)
         every = max(256, -(-state // max(kv, 1)))
         every = -(-every // block) * block  # a whole number of blocks
-        return cls(capacity, block_tokens=block, snapshot_every=every)
+        recurrent = any(c.recurrent for c in layers)
+        return cls(capacity, block_tokens=block, snapshot_every=every, recurrent=recurrent)
 
     # --- lookup and restore -------------------------------------------------------------------
 
