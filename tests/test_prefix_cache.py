@@ -421,3 +421,23 @@ def test_random_prompt_trees_hybrid(tree):
         warm = run(model, prompts[-1], make_policy("ar"), cache, max_new=4)
         assert warm.tokens == run(model, prompts[-1], make_policy("ar"), max_new=4).tokens
         check_invariants(cache)
+
+
+def test_long_saves_copy_in_pieces(monkeypatch):
+    """Blocks are copied out of a row a few at a time: the pieces restore exactly."""
+    monkeypatch.setattr("clover.decoding.prefix_cache.COPY_BLOCKS", 3)
+    model = LLAMA
+    cache = cache_for(model)
+    prompt = tokens(19, 50, 64)
+    run(model, prompt, make_policy("ar"), cache)
+    check_invariants(cache)
+    longer = prompt + tokens(20, 5, 64)
+    hit = cache.lookup(longer, len(longer) - 1, exact=False)
+    warm, cold = model.make_cache(1), model.make_cache(1)
+    cache.restore(hit, warm)
+    with torch.inference_mode():
+        model(torch.tensor([longer[: hit.length]]), cold, "causal")
+    for a, b in zip(warm.layers, cold.layers):
+        for x, y in zip(a.copy_out(0, 0, hit.length), b.copy_out(0, 0, hit.length)):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    assert hit.length >= 48

@@ -43,6 +43,7 @@ from clover.errors import CloverError
 from clover.models.cache import ModelCache
 
 MIN_DEFAULT_BYTES = 256 * 2**20
+COPY_BLOCKS = 64  # blocks copied out of a row's cache per copy when saving
 
 
 @dataclass(eq=False)
@@ -229,11 +230,20 @@ class PrefixCache:
             bs = self.block_tokens
             node, now = self.root, next(self._clock)
             chain = [node]
-            for start in range(0, len(tokens) - bs + 1, bs):
+            full = len(tokens) // bs * bs
+            # K/V of blocks not cached yet, copied out COPY_BLOCKS at a time (fewer, larger
+            # copies; a bounded transient for a long prompt)
+            fresh, first = None, -full
+            for start in range(0, full, bs):
                 key = (node.id, tuple(tokens[start : start + bs]))
                 child = self.table.get(key)
-                if child is None:
-                    kv = self._kv(cache, row, kinds, start, start + bs)
+                if child is None:  # and none after it: a block's parent is always cached
+                    if start >= first + COPY_BLOCKS * bs:
+                        end = min(full, start + COPY_BLOCKS * bs)
+                        fresh, first = self._kv(cache, row, kinds, start, end), start
+                    kv = None  # [L_attn, 2, H, bs, D] in its own storage (evicted alone)
+                    if fresh is not None:
+                        kv = fresh[:, :, :, start - first : start - first + bs].clone()
                     if not self._make_room(_nbytes([kv]), keep=chain):
                         break
                     child = Block(next(self._ids), node, key[1], kv, start + bs, _nbytes([kv]))
