@@ -92,6 +92,7 @@ def check_invariants(cache: PrefixCache) -> None:
         assert b.parent is cache.root or cache.table.get((b.parent.parent.id, b.parent.tokens))
         children[parent_id] = children.get(parent_id, 0) + 1
         assert b.refs >= 0
+        assert b.kv is not None and b.kv.shape[3] == cache.block_tokens  # models here attend
         total += b.nbytes
     for b in [cache.root, *cache.table.values()]:
         assert b.children == children.get(b.id, 0)

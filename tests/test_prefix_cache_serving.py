@@ -176,3 +176,28 @@ def test_server_without_prefix_cache(checkpoint):
         m = metrics(url)
         assert m["clover_prefix_cache_capacity_bytes"] == 0
         assert m["clover_prefix_cache_lookups_total"] == 0
+
+
+def test_a_failure_while_joining_fails_that_request_only(checkpoint):
+    """Admission now reads the prefix cache (and may prefill): an unexpected error there is a
+    500 for that request, and the scheduler goes on serving the next ones."""
+    llms = []
+
+    def loader():
+        llms.append(LLM(str(checkpoint), dtype="float32", progress=False))
+        return llms[-1]
+
+    with serve_in_thread(ServeOptions(model=str(checkpoint)), loader) as url:
+        cache = llms[0].prefix_cache
+        lookup = cache.lookup
+
+        def broken(*args, **kw):
+            cache.lookup = lookup  # only once
+            raise RuntimeError("index out of range")
+
+        cache.lookup = broken
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 3}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "index out of range" not in r.text
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200

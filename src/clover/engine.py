@@ -310,6 +310,11 @@ class LLM:
             self.set_prefix_cache(None)
         return self._prefix_cache
 
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Use this cache (None: none), e.g. to put back one set aside."""
+        self._prefix_cache, self._prefix_cache_set = cache, True
+
     def set_prefix_cache(self, mb: float | None) -> None:
         """A new prefix cache of `mb` MiB (None: the model's default, 0: none); what the old
         one held is dropped."""

@@ -195,8 +195,10 @@ class BatchDecoder:
 
     def _save(self, row: Row, cache: object, k: int, states: dict | None = None) -> None:
         """Save row's committed state (cache row k) into the prefix cache: the first time,
-        with snapshots at its marks and one token before its prompt's end; with
-        `states=None` the row is leaving, so also a snapshot where it ends."""
+        with snapshots at its marks and one token before its prompt's end. `states`: the
+        recurrent states captured during a prefill in passes, by position; None (a save
+        between steps) also snapshots where the row is now: where it ends when it leaves,
+        its prompt's end (or just past it) after its first pass."""
         snaps = {} if states is None else dict(states)
         if not row.prompt_saved:
             for p in (*row.marks, len(row.prompt) - 1):

@@ -233,14 +233,14 @@ class PrefixCache:
             full = len(tokens) // bs * bs
             # K/V of blocks not cached yet, copied out COPY_BLOCKS at a time (fewer, larger
             # copies; a bounded transient for a long prompt)
-            fresh, first = None, -full
+            fresh, first, last = None, 0, 0  # fresh: K/V of positions [first, last)
             for start in range(0, full, bs):
                 key = (node.id, tuple(tokens[start : start + bs]))
                 child = self.table.get(key)
                 if child is None:  # and none after it: a block's parent is always cached
-                    if start >= first + COPY_BLOCKS * bs:
-                        end = min(full, start + COPY_BLOCKS * bs)
-                        fresh, first = self._kv(cache, row, kinds, start, end), start
+                    if start >= last:
+                        last = min(full, start + COPY_BLOCKS * bs)
+                        fresh, first = self._kv(cache, row, kinds, start, last), start
                     kv = None  # [L_attn, 2, H, bs, D] in its own storage (evicted alone)
                     if fresh is not None:
                         kv = fresh[:, :, :, start - first : start - first + bs].clone()

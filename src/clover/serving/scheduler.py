@@ -166,11 +166,14 @@ class Scheduler:
                     t.rows[row.index] = (choice, text, row)
                     self.running[row.index] = t
                 self.stats.prompt_tokens += len(t.prompt)
-            except CloverError as e:
+            except Exception as e:  # noqa: BLE001 (joining prefills and reads the prefix cache:
+                # a failure there must fail this request, not the scheduler thread)
                 for index in list(t.rows):
                     self.batch.cancel(index)
                     self.running.pop(index, None)
-                t.events.put({"type": "error", "message": str(e)})
+                failed = f"decoding failed: {type(e).__name__}"
+                message = str(e) if isinstance(e, CloverError) else failed
+                t.events.put({"type": "error", "message": message})
 
     def _run(self) -> None:
         while True:
