@@ -95,8 +95,7 @@ TOOL_CALLS = [  # (name, arguments, result) for every third turn
 def system_prompt(model: str, target: int) -> tuple[str, int]:
     """Instructions grown rule by rule until the rendered system turn (with the tool schemas)
     reaches `target` tokens of the model's tokenizer; -> (text, its token count)."""
-    from clover.engine import prepare_checkpoint
-    from clover.registry import resolve
+    from clover.checkpoints import prepare_checkpoint, resolve
     from clover.serving.tools import render_inputs, template_knows_tools
     from clover.tokenizer import Tokenizer
 
