@@ -7,7 +7,7 @@ import torch
 from openai import OpenAI
 
 from clover.cli import build_parser, cmd_chat, main
-from clover.engine import LLM
+from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.models.clover import CloverModel, preset_config
 from clover.serving.options import ServeOptions
@@ -46,6 +46,12 @@ def test_llm_chat_turns_reuse_the_cache_and_answer_the_same(checkpoint):
     assert w[-1].prefill_tokens_per_s > 0
     report = warm.prefix_cache.report()
     assert report["hits"] == 3 and report["pinned_blocks"] == 0
+    # cached=False (measurement harnesses): a full prefill, nothing read or kept
+    out: list = []
+    settings = GenerationSettings(max_tokens=4, decoder="ar")
+    for _ in warm.stream([warm.chat_prompt([SYSTEM])], settings, out, cached=False):
+        pass
+    assert out[0].cached_tokens == 0 and warm.prefix_cache.report() == report
 
 
 def hybrid_llm(checkpoint) -> LLM:

@@ -220,9 +220,14 @@ class LLM:
         settings: GenerationSettings,
         completions: list | None = None,
         marks: list[tuple[int, ...]] | None = None,
+        cached: bool = True,
     ) -> Iterator[TextDelta]:
         """Text deltas per row as tokens become final; `completions` is filled at the end.
-        `marks[row]`: prefix-cache snapshot positions of that prompt (`chat_marks`)."""
+        `marks[row]`: prefix-cache snapshot positions of that prompt (`chat_marks`).
+        cached=False: no prefix cache for this call (every prompt prefilled in full, nothing
+        kept), for measurements that must not depend on what ran before: a warm prefill
+        multiplies fewer rows, and 16-bit/int4 kernels round by shape, so a near-tie can
+        flip (float32 answers are identical either way)."""
         s = self.default_settings(settings)
         policy = s.policy()
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
@@ -239,7 +244,7 @@ class LLM:
             stop=lambda row, final: texts[row].on_final(final),
             results=results,
             constraint=(lambda _row: s.constraint()) if s.constraint is not None else None,
-            prefix_cache=self.prefix_cache,
+            prefix_cache=self.prefix_cache if cached else None,
             marks=marks,
         )
         first = [0.0] * len(prompts)
