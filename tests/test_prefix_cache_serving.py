@@ -207,3 +207,30 @@ def test_a_failure_while_joining_fails_that_request_only(checkpoint):
         assert r.status_code == 500 and "index out of range" not in r.text
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200
+
+
+def test_concurrent_requests_sharing_a_prefix_answer_as_without_cache(checkpoint):
+    """Requests that share a system prompt, sent together and in waves, through the server's
+    batch: each answer equals the cache-off answer, and later ones reuse the shared part."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cold = LLM(str(checkpoint), dtype="float32", progress=False)
+    cold.set_prefix_cache(0)
+    questions = [f"Question {i}: name a colour." for i in range(6)]
+    convs = [[SYSTEM, {"role": "user", "content": q}] for q in questions]
+    expected = [cold.chat(m, max_tokens=6, decoder="ar").text for m in convs]
+    loader = lambda: LLM(str(checkpoint), dtype="float32", progress=False)  # noqa: E731
+    with serve_in_thread(ServeOptions(model=str(checkpoint), max_running=4), loader) as url:
+
+        def ask(messages):
+            body = {"model": MODEL, "messages": messages, "max_tokens": 6, "decoder": "ar"}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+            return r["choices"][0]["message"]["content"], r["usage"]
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(ask, convs[:3]))
+            got += list(pool.map(ask, convs[3:]))
+    assert [text for text, _ in got] == expected
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for _, u in got]
+    system_tokens = len(cold.chat_prompt([SYSTEM])) - 3  # the rendered system turn, roughly
+    assert all(c >= system_tokens // 16 * 16 for c in cached[3:])  # the second wave hits
