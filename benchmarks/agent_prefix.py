@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-from datetime import UTC, datetime
-from pathlib import Path
 
-from serve_client import start_server, stop_server, stream_chat
+from serve_client import start_server, stop_server, stream_chat, write_report
 
 TOOLS = [
     {"type": "function", "function": {
@@ -195,27 +191,24 @@ def main() -> None:
         "identical_answers": sum(r["identical"] for r in rows),
         "turns": len(rows),
     }
-    import torch
-
-    report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "model": args.model,
-        "dtype": args.dtype,
-        "decoder": args.decoder or "the model's default",
-        "system_tokens": system_tokens,
-        "max_tokens": args.max_tokens,
-        "rows": rows,
-        "summary": summary,
-        "command": "python benchmarks/agent_prefix.py "
-        + " ".join(
-            f"--{k.replace('_', '-')} {v}"
-            for k, v in vars(args).items()
-            if v is not None and k != "out"
-        ),  # fmt: skip
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(
+        args.out,
+        {
+            "model": args.model,
+            "dtype": args.dtype,
+            "decoder": args.decoder or "the model's default",
+            "system_tokens": system_tokens,
+            "max_tokens": args.max_tokens,
+            "rows": rows,
+            "summary": summary,
+            "command": "python benchmarks/agent_prefix.py "
+            + " ".join(
+                f"--{k.replace('_', '-')} {v}"
+                for k, v in vars(args).items()
+                if v is not None and k != "out"
+            ),
+        },
+    )
     print(json.dumps(summary))
 
 

@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import statistics
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-from serve_client import metrics, start_server, stop_server, stream_chat
+from serve_client import metrics, percentile, start_server, stop_server, stream_chat, write_report
 
 WORDS = (
     "system agent tool file test error value cache block token prompt answer model server "
@@ -42,12 +38,6 @@ WORDS = (
 
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
-
-
-def percentile(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def peak_rss_mb(pid: int) -> float | None:
@@ -170,24 +160,19 @@ def main() -> None:
         "wall_s": round(wall, 1),
         "server_peak_rss_mb": rss,
     }
-    import torch
-
-    report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "model": args.model,
-        "dtype": args.dtype,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "summary": summary,
-        "failures": failures[:20],
-        "final_metrics": final,
-        "command": "python benchmarks/prefix_load.py "
-        + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
-        ),  # fmt: skip
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(
+        args.out,
+        {
+            "model": args.model,
+            "dtype": args.dtype,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "summary": summary,
+            "failures": failures[:20],
+            "final_metrics": final,
+            "command": "python benchmarks/prefix_load.py "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        },
+    )
     print(json.dumps(summary))
 
 

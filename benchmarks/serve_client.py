@@ -1,14 +1,19 @@
 """What the serving benchmarks share: start `clover serve` on a free port, stream one chat
-request and time it as a client sees it, read /metrics. Imported by the scripts beside it
-(`python benchmarks/<script>.py` puts this folder on the path)."""
+request and time it as a client sees it, read /metrics, percentiles, the results file.
+Imported by the scripts beside it (`python benchmarks/<script>.py` puts this folder on the
+path)."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import statistics
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 
@@ -90,3 +95,22 @@ def metrics(url: str, prefix: str = "clover_") -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def write_report(path: str, fields: dict) -> None:
+    """`fields` as JSON at `path`, after the date and the machine."""
+    import torch
+
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        **fields,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

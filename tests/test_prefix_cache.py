@@ -392,36 +392,32 @@ TREES = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=TREES, room=st.sampled_from([0.02, 0.05, 4.0]), spec=st.booleans())
-def test_random_prompt_trees(tree, room, spec):
-    """Prompts that extend earlier ones (a random tree), answered in order through one cache,
-    tight or roomy: every warm answer equals its cold one and the invariants hold."""
-    model = LLAMA
-    policy = make_policy("self_spec", block_size=3, draft="lookup") if spec else make_policy("ar")
-    cache = cache_for(model, mb=room, block=4, every=8)
+def answer_tree(model, tree, policy, cache, max_new):
+    """Prompts that extend earlier ones (a random tree), answered in order through one cache:
+    every warm answer equals its cold one and the invariants hold after each."""
     prompts: list[list[int]] = []
     for parent, suffix in tree:
         base = prompts[parent] if 0 <= parent < len(prompts) else []
         prompts.append(base + suffix)
-        warm = run(model, prompts[-1], policy, cache, max_new=5)
-        assert warm.tokens == run(model, prompts[-1], policy, max_new=5).tokens
+        warm = run(model, prompts[-1], policy, cache, max_new=max_new)
+        assert warm.tokens == run(model, prompts[-1], policy, max_new=max_new).tokens
         check_invariants(cache)
     assert not cache.report()["pinned_blocks"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=TREES, room=st.sampled_from([0.02, 0.05, 4.0]), spec=st.booleans())
+def test_random_prompt_trees(tree, room, spec):
+    """A tiny llama, a tight or roomy cache, ar or self_spec with lookup drafts."""
+    policy = make_policy("self_spec", block_size=3, draft="lookup") if spec else make_policy("ar")
+    answer_tree(LLAMA, tree, policy, cache_for(LLAMA, mb=room, block=4, every=8), 5)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=TREES)
 def test_random_prompt_trees_hybrid(tree):
-    model = HYBRID
-    cache = cache_for(model, mb=4.0, block=4, every=8)
-    prompts: list[list[int]] = []
-    for parent, suffix in tree:
-        base = prompts[parent] if 0 <= parent < len(prompts) else []
-        prompts.append(base + suffix)
-        warm = run(model, prompts[-1], make_policy("ar"), cache, max_new=4)
-        assert warm.tokens == run(model, prompts[-1], make_policy("ar"), max_new=4).tokens
-        check_invariants(cache)
+    """The tiny hybrid: resumes only at snapshots (every 8 tokens, prompt ends, row ends)."""
+    answer_tree(HYBRID, tree, make_policy("ar"), cache_for(HYBRID, mb=4.0, block=4, every=8), 4)
 
 
 def test_long_saves_copy_in_pieces(monkeypatch):
