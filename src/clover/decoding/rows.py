@@ -50,6 +50,10 @@ class RowResult:
     steps: list[int] = field(default_factory=list)  # step that committed each token
     nfe: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache across requests
+    # from joining the batch to the end of the pass that gave the row its first logits
+    # (prefill of the uncached prompt, then that pass)
+    prefill_seconds: float = 0.0
     # self_spec: per draft source ("mask", "lookup"), [tokens drafted, tokens kept]
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -72,7 +76,13 @@ class Row:
         self, index: int, prompt: list[int], max_new: int, policy: Policy, gen: torch.Generator
     ) -> None:
         self.index = index
+        self.prompt = list(prompt)
         self.pending = list(prompt)  # certain tokens to commit causally at the next pass
+        self.committed: list[int] = []  # ids the cache row holds (the loop keeps it exact)
+        self.marks: tuple[int, ...] = ()  # prompt positions for prefix-cache snapshots
+        self.pin = None  # the prefix-cache block this row pins (the deepest of its chain)
+        self.prompt_saved = False  # its prompt is in the prefix cache
+        self.t_added = 0.0
         self.answer: list[int] = []  # final answer tokens (may end with EOS)
         self.answer_steps: list[int] = []
         self.emitted = 0  # final tokens already reported
