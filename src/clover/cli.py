@@ -27,6 +27,7 @@ def peak_rss_mb() -> float:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
+    p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter)")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -105,6 +106,7 @@ def _load(a: argparse.Namespace, quiet: bool = False) -> object:
         adapter=getattr(a, "adapter", None),
         compile=getattr(a, "compile", False),
         device=getattr(a, "device", "cpu"),
+        drafter=getattr(a, "drafter", None),
     )
     if getattr(a, "prefix_cache_mb", None) is not None:
         llm.set_prefix_cache(a.prefix_cache_mb)

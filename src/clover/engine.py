@@ -102,20 +102,23 @@ class LLM:
         adapter: str | Path | None = None,
         compile: bool = False,
         device: str = "cpu",
+        drafter: str | Path | None = None,
     ) -> None:
-        """adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
+        """drafter: a drafter file (`clover train drafter`) for self_spec draft="drafter";
+        adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
         warm them up here at batch 1 (`warm_up`). device: cpu, cuda, cuda:N or auto
         (`resolve_device`): weights load on the CPU, then move; on a GPU, dtype auto is
         bfloat16 (int4 and int8 are CPU kernels)."""
         t0 = time.perf_counter()
-        loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device)
+        loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device,
+                      drafter=drafter)  # fmt: skip
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.config = self.model.config
         self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device
         self.resolved, self.directory = loaded.resolved, loaded.directory
-        self.adapter = loaded.adapter
+        self.adapter, self.drafter = loaded.adapter, loaded.drafter
         self.compiled = compile
         if compile:
             self.model.compile_causal()

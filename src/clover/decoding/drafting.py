@@ -29,9 +29,10 @@ class DrafterRunner:
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
-    def add_row(self) -> None:
-        """A row joins the batch, its drafter context empty."""
-        cache = self.drafter.make_cache(1)
+    def add_row(self, cache: object = None) -> None:
+        """A row joins the batch with its 1-row drafter cache (its prefill's context), or an
+        empty one."""
+        cache = cache if cache is not None else self.drafter.make_cache(1)
         self.cache = cache if self.cache is None else self.cache.extend(cache)
 
     def select(self, keep: list[int]) -> None:

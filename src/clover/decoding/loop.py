@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from clover.decoding.constraints import LogitsConstraint
+from clover.decoding.costs import PassCosts, cached_costs
+from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
@@ -69,6 +71,11 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
         )
     if policy.speculative and not config.shifted:
         raise CloverError("self_spec needs a token-shifted model (config.shifted = true)")
+    if policy.speculative and "drafter" in policy.draft and getattr(model, "drafter", None) is None:
+        raise CloverError(
+            f"draft {policy.draft!r} needs a drafter for this model: load one with --drafter "
+            "FILE (`clover train drafter` makes one)"
+        )
     longest = max(len(p) for p in prompts)
     if longest >= model.context_length:
         raise CloverError(
@@ -110,6 +117,9 @@ class BatchDecoder:
         self.active: list[Row] = []  # cache row k belongs to active[k]
         self.step_count = 0
         self._next = 0
+        # the drafter's context rows, aligned with the cache's, once a row drafts with it
+        self.drafting: DrafterRunner | None = None
+        self._costs: dict[bool, PassCosts] = {}  # with / without the drafter's pass
 
     @on_model_device
     def add(
@@ -146,21 +156,40 @@ class BatchDecoder:
         row.sampling, row.eos, row.stop = sampling, set(eos_token_ids), stop
         row.constraint = constraint
         row.t_added, row.marks = t_added, tuple(marks)
+        if isinstance(row, SpecRow):
+            if row.uses_drafter and self.drafting is None:
+                self.drafting = DrafterRunner(self.model, self.model.drafter)
+                for _ in self.active:  # rows already running draft otherwise: empty contexts
+                    self.drafting.add_row()
+            if policy.adaptive and (row.context is not None or row.uses_drafter):
+                row.costs = self._pass_costs(row.uses_drafter)
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()
+        dcache = self.drafting.drafter.make_cache(1) if self.drafting is not None else None
         try:
             with torch.inference_mode():
-                self._start(row, cache)
+                self._start(row, cache, dcache if getattr(row, "uses_drafter", False) else None)
         except BaseException:
             if self.prefix is not None:
                 self.prefix.release(row.pin)
             raise
         self.cache = cache if self.cache is None else self.cache.extend(cache)
+        if self.drafting is not None:
+            self.drafting.add_row(dcache)
         self.active.append(row)
         return row
 
-    def _start(self, row: Row, cache: object) -> None:
+    def _pass_costs(self, drafter: bool) -> PassCosts:
+        """This machine's pass costs for the model (and its drafter), measured on first use."""
+        if drafter not in self._costs:
+            label = str(getattr(self.model, "quantized_head", None) is not None)
+            self._costs[drafter] = cached_costs(
+                self.model, label, self.model.drafter if drafter else None
+            )
+        return self._costs[drafter]
+
+    def _start(self, row: Row, cache: object, dcache: object = None) -> None:
         """Reuse the longest cached prefix of the row's prompt (into its fresh 1-row cache),
         then prefill alone what must be: the rest of the prompt of a model with recurrent
         layers (snapshots on the way), or a prompt joining a running batch, so the batch's
@@ -184,7 +213,12 @@ class BatchDecoder:
         states = {}
         for stop in sorted(p for p in stops if len(row.committed) < p <= end):
             ids = row.pending[: stop - len(row.committed)]
-            self.model(torch.tensor([ids], device=self.device), cache, "causal")
+            x = torch.tensor([ids], device=self.device)
+            if dcache is None:
+                self.model(x, cache, "causal")
+            else:  # a drafting row: its drafter reads the features of what is committed
+                _, feats = self.model(x, cache, "causal", capture=self.drafting.layers)
+                self.drafting.drafter.commit(feats, torch.tensor([len(ids)]), dcache)
             row.committed += ids
             del row.pending[: len(ids)]
             row.result.nfe += 1
@@ -240,6 +274,8 @@ class BatchDecoder:
         if len(keep) == len(self.active):
             return
         self.active = [self.active[k] for k in keep]
+        if self.drafting is not None:
+            self.drafting.select(keep)
         if self.active:
             self.cache.select(keep)
         else:
@@ -275,8 +311,12 @@ class BatchDecoder:
             ids = torch.tensor(rows, dtype=torch.long, device=self.device)
             n_valid = torch.tensor([len(t) for t, _ in plans])
             n_commit = torch.tensor([c for _, c in plans])
+            capture = self.drafting.layers if self.drafting is not None else ()
             with torch.inference_mode():
-                hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid)
+                hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid,
+                               capture=capture)  # fmt: skip
+            if capture:
+                hidden, features = hidden
             for r, (tokens, n) in zip(active, plans):
                 r.committed += tokens[:n]
         wanted, counts = [], []
@@ -323,6 +363,8 @@ class BatchDecoder:
             self.cache.rollback(rollback)
             for r, n in zip(active, rollback.tolist()):
                 del r.committed[len(r.committed) - n :]
+        if self.drafting is not None and T:
+            self._draft(features, n_commit - rollback, keep)
         now = time.perf_counter()
         for r in active:
             if not r.result.prefill_seconds and r.steps:
@@ -339,6 +381,25 @@ class BatchDecoder:
         self._busy = False
         event.seconds = time.perf_counter() - t0
         return event
+
+    def _draft(self, features: torch.Tensor, kept: torch.Tensor, keep: list[int]) -> None:
+        """After a pass: the drafter takes the features of what each drafting row kept, then
+        drafts the next block for the rows that stay and want one (one pass for all)."""
+        drafting = [isinstance(r, SpecRow) and r.uses_drafter for r in self.active]
+        kept = torch.where(torch.tensor(drafting), kept, 0)
+        self.drafting.commit(features, kept)
+        lengths = [r.drafter_length() if d and k in keep else 0
+                   for k, (r, d) in enumerate(zip(self.active, drafting))]  # fmt: skip
+        if max(lengths) == 0:
+            return
+        first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
+        with torch.inference_mode():
+            logits = self.drafting.draft(first, max(lengths) + 1)  # [B, w - 1, V]
+            if self.config.mask_token_id is not None:
+                logits[..., self.config.mask_token_id] = float("-inf")
+            for r, n, row_logits in zip(self.active, lengths, logits):
+                if n:
+                    r.take_drafts(row_logits[:n], r.sampling)
 
 
 def generate(
