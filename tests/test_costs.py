@@ -60,8 +60,10 @@ def test_lookup_drafts_grow_with_a_long_match():
     from clover.decoding.rows import NgramIndex
 
     text = list(range(20, 60))
-    index = NgramIndex(text + text[:12])  # the start repeats for 12 tokens
+    tokens = text + text[:12]  # the start repeats for 12 tokens
+    index = NgramIndex(tokens)
     assert index.draft(3) == text[12:15]
-    assert index.draft(3, most=100) == text[12:44]  # a match of 12 >= 8: up to 32
+    assert index.draft(3, most=100) == tokens[12:44]  # a match of 12 >= 8: up to 32
+    assert index.draft(3, most=10) == tokens[12:22]  # ... or as far as `most` allows
     short = NgramIndex([1, 2, 3, 9, 9, 1, 2])
     assert short.draft(3, most=100) == [3, 9, 9]  # a 2-token match stays at k
