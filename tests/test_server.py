@@ -57,6 +57,7 @@ def client(server):
 
 def post(url: str, path: str, body, headers=AUTH, timeout: float = 60) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **headers}
     return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=timeout)
 
 
