@@ -227,6 +227,7 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         raise bad_request(
             f"max_tokens must be at most the context length, {limits.context_length}",
             "max_tokens",
+            "context_length_exceeded",
         )
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, -2.0, 2.0) not in (None, 0):
