@@ -292,7 +292,7 @@ async def stream(call: Call) -> AsyncIterator[str]:
     start = {
         "id": call.id, "type": "message", "role": "assistant", "model": call.model,
         "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0},
+        "usage": usage(call, []),
     }  # fmt: skip
     yield event("message_start", {"message": start})
     yield event("ping", {})

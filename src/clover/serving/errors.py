@@ -75,9 +75,7 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def bad_request(
-    message: str, param: str | None = None, code: str = "invalid_request"
-) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
     """A 400; every error carries a string `code` (OpenAI's own use null for some, which
     clients cannot branch on)."""
     return APIError(400, message, param=param, code=code)
