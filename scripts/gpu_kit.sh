@@ -25,7 +25,7 @@ head -c "$first" .gpu/base.gguf.xz > .gpu/base.part00
 tail -c +"$(( first + 1 ))" .gpu/base.gguf.xz > .gpu/base.part01
 rm .gpu/base.gguf.xz
 # the tokenizer as converted here: the GPU machine's transformers is another major version
-"$PY" -c "import sys; from clover.gguf_tokenizer import convert_gguf_tokenizer as c; c(*sys.argv[1:])" \
+"$PY" -c "import sys; from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer as c; c(*sys.argv[1:])" \
   "$gguf" .gpu/tokenizer
 version=$("$PY" -c "import importlib.metadata as m; print(m.version('gguf'))")
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "gguf==$version"

@@ -76,7 +76,7 @@ def tiny_checkpoint(tmp_path_factory):
     """An HF-format directory: a tiny random llama + a byte-level BPE tokenizer + ChatML."""
     import json
 
-    from clover.weights import save_checkpoint
+    from clover.checkpoints.hf_dir import save_checkpoint
     from tests.test_tokenizer import CHATML, _byte_level_backend
 
     directory = tmp_path_factory.mktemp("ckpt") / "tiny"

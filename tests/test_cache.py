@@ -1,4 +1,4 @@
-"""The conversion cache (clover.cache): keyed by the GGUF's bytes, sources recorded, pruning."""
+"""The conversion cache (clover.checkpoints.cache): keyed by content, sources recorded, pruning."""
 
 import errno
 import json
@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from clover import cache, engine
+from clover.checkpoints import cache, loader
+from clover.checkpoints.registry import resolve
 from clover.cli import main
 from clover.errors import CloverError
-from clover.registry import resolve
 from tests.conftest import tiny_model
 from tests.test_weights import write_tiny_gguf
 
@@ -47,11 +47,11 @@ def no_conversion(*a, **k):
 
 def test_same_bytes_elsewhere_reuse_the_entry(tmp_path, cache_root, monkeypatch, capsys):
     a = make_gguf(tmp_path / "venv1")
-    first = engine.prepare_checkpoint(resolve(str(a)), progress=False)
+    first = loader.prepare_checkpoint(resolve(str(a)), progress=False)
     assert first.parent == cache_root and (first / "model.safetensors").is_file()
     b = copy_gguf(a, tmp_path / "venv2")
-    monkeypatch.setattr(engine, "read_gguf", no_conversion)
-    assert engine.prepare_checkpoint(resolve(str(b)), progress=False) == first
+    monkeypatch.setattr(loader, "read_gguf", no_conversion)
+    assert loader.prepare_checkpoint(resolve(str(b)), progress=False) == first
     recorded = cache.read_sources(first)["files"]
     assert sorted(recorded) == sorted([str(a.resolve()), str(b.resolve())])
     assert [p.name for p in cache_root.iterdir()] == [first.name]  # no temp dirs left behind
@@ -69,7 +69,7 @@ def test_different_bytes_or_overrides_get_their_own_entry(tmp_path, cache_root):
 
 def test_hash_is_read_from_the_record_until_the_file_changes(tmp_path, cache_root):
     a = make_gguf(tmp_path / "a")
-    entry = engine.prepare_checkpoint(resolve(str(a)), progress=False)
+    entry = loader.prepare_checkpoint(resolve(str(a)), progress=False)
     real = cache.file_sha256(a)
     data = cache.read_sources(entry)
     assert data["sha256"] == real
@@ -81,9 +81,9 @@ def test_hash_is_read_from_the_record_until_the_file_changes(tmp_path, cache_roo
 
 def test_prune_removes_only_unreachable_entries(tmp_path, cache_root, capsys):
     a = make_gguf(tmp_path / "a")
-    entry = engine.prepare_checkpoint(resolve(str(a)), progress=False)
+    entry = loader.prepare_checkpoint(resolve(str(a)), progress=False)
     b = copy_gguf(a, tmp_path / "b")
-    engine.prepare_checkpoint(resolve(str(b)), progress=False)
+    loader.prepare_checkpoint(resolve(str(b)), progress=False)
     old_format = cache_root / "tiny-0123456789abcdef"  # no sources.json: an older key scheme
     old_format.mkdir()
     (old_format / "model.safetensors").write_bytes(bytes(1000))
@@ -100,7 +100,7 @@ def test_prune_removes_only_unreachable_entries(tmp_path, cache_root, capsys):
     shutil.rmtree(a.parent)
     assert cache.prune() == []  # still reachable from b
     c = copy_gguf(b, tmp_path / "c")
-    engine.prepare_checkpoint(resolve(str(c)), progress=False)  # a hit: a gone file is dropped
+    loader.prepare_checkpoint(resolve(str(c)), progress=False)  # a hit: a gone file is dropped
     assert sorted(cache.read_sources(entry)["files"]) == sorted(
         [str(b.resolve()), str(c.resolve())]
     )
@@ -112,17 +112,17 @@ def test_prune_removes_only_unreachable_entries(tmp_path, cache_root, capsys):
 
 def test_a_new_conversion_prunes_stale_entries(tmp_path, cache_root, capsys):
     a = make_gguf(tmp_path / "a", seed=0)
-    old = engine.prepare_checkpoint(resolve(str(a)), progress=False)
+    old = loader.prepare_checkpoint(resolve(str(a)), progress=False)
     shutil.rmtree(a.parent)
     b = make_gguf(tmp_path / "b", seed=1)
-    new = engine.prepare_checkpoint(resolve(str(b)), progress=True)
+    new = loader.prepare_checkpoint(resolve(str(b)), progress=True)
     assert not old.exists() and new.is_dir()
     assert "removed 1 stale converted checkpoint(s)" in capsys.readouterr().err
 
 
 def test_cache_command_lists_and_prunes(tmp_path, cache_root, capsys):
     a = make_gguf(tmp_path / "a")
-    entry = engine.prepare_checkpoint(resolve(str(a)), progress=False)
+    entry = loader.prepare_checkpoint(resolve(str(a)), progress=False)
     assert main(["cache", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed["root"] == str(cache_root)
@@ -157,7 +157,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path, cache_root, m
     def full(model, directory, extra_files=()):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(engine, "save_checkpoint", full)
+    monkeypatch.setattr(loader, "save_checkpoint", full)
     with pytest.raises(CloverError, match=r"No space left on device; .*\$CLOVER_CACHE"):
-        engine.prepare_checkpoint(resolve(str(a)), progress=False)
+        loader.prepare_checkpoint(resolve(str(a)), progress=False)
     assert list(cache_root.iterdir()) == []

@@ -1,13 +1,13 @@
 import pytest
 import torch
 
+from clover.checkpoints.hf_dir import model_from_state, read_hf_dir, save_checkpoint
 from clover.decoding.loop import generate
 from clover.decoding.policies import LowConfidence, SelfSpec, make_policy
 from clover.errors import CloverError
 from clover.models.clover import CloverModel, preset_config, sanitize, unstack_experts
 from clover.models.layout import training_layout
 from clover.models.moe import MoE
-from clover.weights import model_from_state, read_hf_dir, save_checkpoint
 
 ATOL = 1e-4  # fp32, cached vs uncached and train vs inference
 

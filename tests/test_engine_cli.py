@@ -172,7 +172,7 @@ def test_device_rules(monkeypatch):
     int8 kernels are refused (the server checks this before it opens its socket)."""
     import torch
 
-    from clover.engine import device_dtype, resolve_device
+    from clover.checkpoints import device_dtype, resolve_device
     from clover.serving.options import ServeOptions
 
     with pytest.raises(CloverError, match="expected cpu, cuda"):

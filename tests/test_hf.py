@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import clover.hf
 from clover import LLM
+from clover.checkpoints.hf_dir import save_checkpoint
 from clover.cli import main
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
@@ -18,7 +19,6 @@ from clover.errors import CloverError
 from clover.hf import native_config
 from clover.hf.export import export
 from clover.hf.hooks import when_imported
-from clover.weights import save_checkpoint
 from tests.conftest import tiny_model
 
 PROMPTS = ["hello world", "the quick brown fox"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from clover import registry
+from clover.checkpoints import registry
+from clover.checkpoints.registry import KNOWN_MODELS, ModelEntry, cache_dir, pull, resolve
 from clover.errors import CloverError
-from clover.registry import KNOWN_MODELS, ModelEntry, cache_dir, pull, resolve
 
 FAKE = ModelEntry(
     name="fake-1m",
@@ -41,6 +41,12 @@ def test_default_model_decoding_defaults_are_valid():
     assert set(d) <= {f.name for f in fields(LlamaConfig)}
     policy = make_policy(d["default_decoder"], d["block_size"], draft=d["draft"])
     assert policy.speculative and policy.draft == "lookup"
+
+
+def test_shipped_adapters_exist():
+    """Every entry that names an adapter finds the file Clover ships (package data)."""
+    shipped = [e for e in KNOWN_MODELS.values() if e.adapter is not None]
+    assert shipped and all(e.adapter_path.is_file() for e in shipped)
 
 
 def test_cache_dir(tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ THINKING_CHATML = (
 
 
 def write_checkpoint(directory: Path, context: int = 2048, template: str = CHATML) -> Path:
-    from clover.weights import save_checkpoint
+    from clover.checkpoints.hf_dir import save_checkpoint
 
     backend = _byte_level_backend()
     eos = backend.token_to_id("<|im_end|>")

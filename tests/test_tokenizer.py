@@ -9,9 +9,10 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from clover import gguf_tokenizer
+from clover.checkpoints import gguf_tokenizer
+from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
 from clover.errors import CloverError
-from clover.tokenizer import StreamDecoder, Tokenizer, convert_gguf_tokenizer
+from clover.tokenizer import StreamDecoder, Tokenizer
 
 CHATML = (
     "{% for message in messages %}"

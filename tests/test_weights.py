@@ -9,15 +9,15 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from clover.errors import CloverError
-from clover.models.llama import unpermute_qk
-from clover.weights import (
+from clover.checkpoints.gguf import read_gguf
+from clover.checkpoints.hf_dir import (
     model_from_state,
-    read_gguf,
     read_hf_dir,
     read_safetensors,
     save_checkpoint,
 )
+from clover.errors import CloverError
+from clover.models.llama import unpermute_qk
 from tests.conftest import TINY, tiny_model
 
 
@@ -80,7 +80,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
-    import clover.weights as w
+    import clover.checkpoints.hf_dir as w
 
     def boom(*a, **k):
         raise OSError("disk full")

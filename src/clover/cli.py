@@ -14,8 +14,9 @@ import sys
 from collections.abc import Callable
 
 from clover import __version__
+from clover.checkpoints.registry import DEFAULT_MODEL
 from clover.decoding.policies import DRAFTS
-from clover.engine import DEFAULT_MODEL, Completion, GenerationSettings
+from clover.engine import Completion, GenerationSettings
 from clover.errors import CloverError
 
 
@@ -223,10 +224,10 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from clover.engine import PRESETS, prepare_checkpoint
+    from clover.checkpoints import PRESETS, prepare_checkpoint, resolve
+    from clover.checkpoints.hf_dir import read_config
     from clover.models import make_config
     from clover.quant import model_bytes
-    from clover.weights import read_config
 
     if a.model in PRESETS:
         from clover.models.clover import preset_config
@@ -234,8 +235,6 @@ def cmd_info(a: argparse.Namespace) -> int:
         config, name, path, license_ = preset_config(a.model), a.model, None, None
         license_ = "Apache-2.0 (shape preset, random weights)"
     else:
-        from clover.registry import resolve
-
         resolved = resolve(a.model, progress=not a.json)
         config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
         name, path = resolved.name, str(resolved.path)
@@ -288,14 +287,14 @@ def _layer_summary(config: object) -> str:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from clover.registry import pull
+    from clover.checkpoints import pull
 
     print(pull(a.name, progress=True))
     return 0
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
-    from clover import cache
+    from clover.checkpoints import cache
 
     if a.action == "prune":
         print(cache.removed_summary(cache.prune()))

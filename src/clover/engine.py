@@ -1,38 +1,25 @@
 """The Python API: `clover.LLM(model).generate(...)` / `.chat(...)` / `.stream(...)`.
 
-This is the edge where text meets token ids: it resolves and loads a model, renders chat
-templates, turns the decoding loop's events into text deltas, and applies stop strings.
-A GGUF checkpoint is converted once (dequantized weights + tokenizer) into an HF-format
-directory under the user cache, so later starts read safetensors directly.
+This is the edge where text meets token ids: it renders chat templates, turns the decoding
+loop's events into text deltas, and applies stop strings. Loading (names, GGUF conversion,
+HF directories, precision, device) is `clover.checkpoints.load`.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
+from clover.checkpoints import DEFAULT_MODEL, load
 from clover.decoding.loop import RowResult, generate
 from clover.decoding.policies import Policy, make_policy
 from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
-from clover.registry import ResolvedModel, resolve
 from clover.tokenizer import Tokenizer
-from clover.weights import model_from_state, read_config, read_gguf, read_hf_dir, save_checkpoint
 
-DEFAULT_MODEL = "clover-smol-135m"  # SmolLM2-135M-Instruct + our draft adapter (MODEL_CARD.md)
-BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.bfloat16,  # weight-only int8, bf16 activations (clover.quant)
-    "int4": torch.bfloat16,  # weight-only int4 groups of 32, bf16 activations
-}
-PRESETS = ("clover-tiny", "clover-35b-a3b")  # architecture shapes with random weights
+__all__ = ["DEFAULT_MODEL", "LLM", "Completion", "GenerationSettings", "TextDelta", "TextStream"]
 
 
 @dataclass(frozen=True)
@@ -91,112 +78,6 @@ class TextDelta:
     text: str
 
 
-def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
-    """An HF-format directory for the model, converting a GGUF file on first use (clover.cache:
-    keyed by the file's bytes; stale conversions are pruned before a new one is written)."""
-    if resolved.kind == "hf":
-        return resolved.path
-    import shutil
-    import tempfile
-
-    from clover import cache
-    from clover.gguf_tokenizer import convert_gguf_tokenizer
-
-    sha = cache.file_sha256(resolved.path, progress)
-    overrides = resolved.entry.overrides if resolved.entry else {}
-    target = cache.converted_dir(resolved.path, sha, overrides)
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        cache.note_use(target, resolved.path, sha)
-        return target
-    removed = cache.prune()  # before writing: a full disk may be full of stale copies
-    if progress and removed:
-        print(cache.removed_summary(removed), file=sys.stderr)
-    config, state = read_gguf(resolved.path, progress=progress)
-    config.update(overrides)
-    model = model_from_state(config, state, resolved.path.name, torch.float32)
-    extras = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
-        convert_gguf_tokenizer(resolved.path, extras)
-        cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
-        save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
-    except OSError as e:
-        need = sum(p.numel() for p in model.parameters()) * 4 / 1e9
-        raise CloverError(
-            f"cannot write the converted checkpoint ({need:.1f} GB, float32) to {target.parent}: "
-            f"{e.strerror or e}; free space there or point $CLOVER_CACHE elsewhere"
-        ) from None
-    finally:
-        if extras is not None:
-            shutil.rmtree(extras, ignore_errors=True)
-    return target
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" (cuda when visible, else cpu), "cpu", "cuda", "cuda:N" -> a device; a CUDA
-    device that is not visible is a clear error here rather than a crash later."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise CloverError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CloverError(f"--device {name}: no CUDA device is visible")
-    return dev
-
-
-def device_dtype(device: torch.device, dtype: str) -> str:
-    """The precision to load at on `device`: off the CPU, auto means bfloat16 and the
-    weight-only int4/int8 kernels (CPU ones) are refused."""
-    if device.type == "cpu":
-        return dtype
-    if dtype in ("int4", "int8"):
-        raise CloverError(
-            f"--dtype {dtype} is a CPU precision; on {device} use bfloat16 or float32"
-        )
-    return "bfloat16" if dtype == "auto" else dtype
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def auto_dtype(config: dict) -> str:
-    """int4 for 4-bit GGUF sources (their own levels), else bfloat16 where the CPU has bf16
-    instructions, else float32."""
-    if not cpu_has_bf16():
-        return "float32"
-    if str(config.get("gguf_file_type", "")).startswith(("MOSTLY_Q4_0", "MOSTLY_Q4_1")):
-        return "int4"
-    return "bfloat16"
-
-
-def _preset_model(name: str, progress: bool) -> tuple:
-    """A Clover-architecture preset with random weights (seed 0) and the default model's
-    tokenizer: it exercises the whole mechanism; its output is meaningless."""
-    from clover.models.clover import CloverModel, preset_config
-
-    config = preset_config(name)
-    if config.num_params > 2e9:
-        raise CloverError(
-            f"{name} is a shape preset of {config.num_params / 1e9:.1f}B parameters with no "
-            "weights; `clover info` describes it, generation needs a checkpoint"
-        )
-    base = prepare_checkpoint(resolve(BASE_MODEL, progress=progress), progress)
-    tokenizer = Tokenizer.from_dir(base)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CloverError(f"{name}: vocabulary smaller than the tokenizer's")
-    torch.manual_seed(0)
-    return CloverModel(config).eval(), tokenizer
-
-
 class LLM:
     """A loaded model + tokenizer. `LLM("clover-smol-135m")`, a GGUF path or an HF directory."""
 
@@ -216,52 +97,13 @@ class LLM:
         warm them up here at batch 1 (`warm_up`). device: cpu, cuda, cuda:N or auto
         (`resolve_device`): weights load on the CPU, then move; on a GPU, dtype auto is
         bfloat16 (int4 and int8 are CPU kernels)."""
-        if dtype not in DTYPES and dtype != "auto":
-            raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
-        self.device = resolve_device(device)
-        dtype = device_dtype(self.device, dtype)
         t0 = time.perf_counter()
-        if model in PRESETS:
-            self.resolved, directory = None, None
-            self.model, self.tokenizer = _preset_model(model, progress)
-            dtype = "float32" if dtype == "auto" else dtype
-            self.model.to(DTYPES[dtype])
-            self.name = model
-        else:
-            self.resolved = resolve(model, progress=progress)
-            directory = prepare_checkpoint(self.resolved, progress)
-            if dtype == "auto":
-                dtype = auto_dtype(read_config(directory))
-            config, state = read_hf_dir(directory, DTYPES[dtype])
-            self.model = model_from_state(config, state, str(directory), DTYPES[dtype])
-            self.tokenizer = Tokenizer.from_dir(directory)
-            self.name = self.resolved.name
-            entry = self.resolved.entry
-            if entry is not None and entry.adapter is not None and adapter is None:
-                adapter = entry.adapter_path
-            for key, value in (entry.decoding if entry else {}).items():
-                setattr(self.model.config, key, value)
-        self.adapter = None
-        if adapter is not None:
-            from clover.models.adapter import load_adapter
-
-            if not Path(adapter).is_file():
-                raise CloverError(f"adapter file {adapter} not found")
-            load_adapter(self.model, Path(adapter))
-            self.model.to(DTYPES[dtype])
-            self.adapter = str(adapter)
-        if dtype in ("int4", "int8"):
-            from clover.quant import quantize_model
-
-            quantize_model(self.model, dtype)
-        if self.adapter is not None:
-            from clover.models.adapter import keep_float32
-
-            keep_float32(self.model)
-        self.dtype = dtype
-        self.model.to(self.device)
-        self.directory = directory
+        loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.config = self.model.config
+        self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device
+        self.resolved, self.directory = loaded.resolved, loaded.directory
+        self.adapter = loaded.adapter
         self.compiled = compile
         if compile:
             self.model.compile_causal()

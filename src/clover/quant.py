@@ -22,39 +22,79 @@ import ctypes
 import torch
 from torch import nn
 
+from clover import kernels
 from clover.errors import CloverError
+from clover.kernels.qgemm import QWeight
 
 GROUP = 32
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, ...]:
-    """w [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/g], low [N, K/g]); w ~ q*scale + low."""
+    """w [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/g], low [N, K/g]); w ~ q*scale + low.
+
+    scale and low are rounded to float16 before the levels are chosen, so the kernel keeps
+    them in 16 bits with nothing rounded, and a Q4_1 checkpoint (float16 d and m per 32, both
+    extreme levels used) gets its own levels and scales back exactly."""
     N, K = w.shape
     wg = w.float().reshape(N, K // group, group)
-    low = wg.amin(-1)
-    scale = ((wg.amax(-1) - low) / 15).clamp(min=1e-10)
+    low, scale = wg.amin(-1), (wg.amax(-1) - wg.amin(-1)) / 15
+    if bool((low.abs().amax() < 6e4) & (scale.amax() < 6e4)):  # within float16's range
+        low, scale = low.half().float(), scale.half().float()
+    scale = scale.clamp(min=2.0**-24)  # the smallest float16 (subnormal); groups of one value
     q = ((wg - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
     return q.reshape(N, K), scale, low
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W in 4-bit groups; x is computed in bfloat16."""
+    """y = x W^T + b with W in 4-bit groups of 32; x is rounded to bfloat16, output bfloat16
+    (float32 with `float_output`, as an LM head: logits rounded to bfloat16 would tie).
+
+    With Clover's kernels (`clover.kernels`) the weights are a `QWeight` (levels, scale and low
+    kept exactly); without them, PyTorch's int4 kernel, which rounds scale and zero to bfloat16
+    and re-reads the weights for every 4 rows (the fallback)."""
 
     def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
         super().__init__()
-        N, K = linear.weight.shape
         q, scale, low = quantize_int4(linear.weight.detach(), group)
-        self.in_features, self.out_features, self.group = K, N, group
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # the kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale
+        self._set(q, scale, low, linear.bias)
+
+    @classmethod
+    def from_levels(
+        cls,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
+        """From integer levels q [N, K] in 0..15 and float32 scale/low [N, K/32] (W = q * scale
+        + low), e.g. a GGUF Q4_K/Q4_1 tensor's own, with nothing re-derived."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._set(q, scale, low, bias)
+        return module
+
+    def _set(
+        self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        N, K = q.shape
+        self.in_features, self.out_features, self.group = K, N, K // scale.shape[1]
+        self.bias = None if bias is None else bias.detach().float()
+        self.weight: QWeight | None = None
+        if kernels.load() is not None:
+            self.weight = QWeight.from_levels(q, scale, low, bits=4)
+            return
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # the aten kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale
         zero = low + 8 * scale
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16)
         self.scales_and_zeros = self.scales_and_zeros.contiguous()  # [K/g, N, 2]
-        b = linear.bias
-        self.bias = None if b is None else b.detach().to(torch.bfloat16)
+
+    float_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] (bfloat16)."""
+        if self.weight is not None:
+            return self.weight.matmul(x, self.bias, out_bf16=not self.float_output)
         shape = x.shape
         if x.dtype != torch.bfloat16:  # checked here: a no-op `.to` still costs a dispatch
             x = x.to(torch.bfloat16)
@@ -66,7 +106,7 @@ class Int4Linear(nn.Module):
         )
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features).to(torch.bfloat16)
 
 
 class Int4Part(nn.Module):
@@ -153,40 +193,54 @@ def project_cat(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W in int8 per output channel (scale per row); x in bfloat16."""
+    """y = x W^T (+ b) with W in int8 per output row (a scale per row); x in bfloat16.
+    Run by Clover's kernel when it is there (the row's scale repeated per group of 32), else
+    by PyTorch's int8 kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-        rows = weight.shape[0]
-        self.weight = torch.empty(weight.shape, dtype=torch.int8)
-        self.scale = torch.empty(rows, dtype=torch.bfloat16)
-        for a in range(0, rows, 4096):  # in slices: a float32 copy of a large head is big
-            w = weight[a : a + 4096].detach().float()
-            scale = (w.abs().amax(1) / 127).clamp(min=1e-10)
-            self.weight[a : a + 4096] = (w / scale[:, None]).round().clamp(-127, 127)
-            self.scale[a : a + 4096] = scale
+        q, self.scale = int8_rows(weight)  # scale: bfloat16 (exact in the kernel's float16)
+        N, K = q.shape
+        self.weight: torch.Tensor | QWeight = q
+        if kernels.load() is not None and N % 16 == 0 and K % 32 == 0:
+            scales = self.scale.float()[:, None].expand(N, K // 32)
+            self.weight = QWeight.from_levels(q, scales, bits=8)
+
+    float_output = False  # as an LM head (see Int4Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
+        if isinstance(self.weight, QWeight):
+            y = self.weight.matmul(x.reshape(-1, shape[-1]), out_bf16=not self.float_output)
+        else:
+            y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], -1)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if isinstance(self.weight, QWeight):
+            return self.weight.dequantized()
         return self.weight.float() * self.scale.float()[:, None]
 
 
 def quantize_model(
-    model: nn.Module, mode: str = "int4", group: int = GROUP, fuse: bool = True
+    model: nn.Module,
+    mode: str = "int4",
+    group: int = GROUP,
+    fuse: bool = True,
+    head: str = "int8",
 ) -> nn.Module:
     """In place, weight-only. int4: decoder linears -> Int4Linear (where the kernel's tiling
-    fits), LM head -> Int8Linear. int8: every linear and every expert -> 8-bit per output
-    channel. Everything else (embeddings, norms) becomes bfloat16. fuse (int4): pack q/k/v and
-    gate/up into one matrix each (`Int4Part`; False keeps them apart: the reference)."""
+    fits). int8: every linear and every expert -> 8-bit per output channel. The LM head is
+    `head` (int8 per row, or int4 groups of 32 where Clover's kernels run) and returns float32.
+    Everything else (embeddings, norms) becomes bfloat16. fuse (int4): pack q/k/v and gate/up
+    into one matrix each (`Int4Part`; False keeps them apart: the reference)."""
     if mode not in ("int4", "int8"):
         raise CloverError(f"unknown quantization {mode!r}: int4 or int8")
+    if head not in ("int4", "int8"):
+        raise CloverError(f"unknown LM head precision {head!r}: int4 or int8")
     if next(model.parameters()).device.type != "cpu":
         raise CloverError("weight-only quantization uses CPU kernels; use bfloat16 elsewhere")
     model.to(torch.bfloat16)
@@ -217,7 +271,12 @@ def quantize_model(
         child = None  # (the loop variable would keep the last replaced linear alive)
         if changed:  # the replaced weights are free now: give their pages back as we go
             release_freed_memory()
-    model.quantized_head = Int8Linear(model.head_weight())
+    w = model.head_weight()
+    if head == "int4" and kernels.load() is not None and w.shape[0] % 16 == 0:
+        model.quantized_head = Int4Linear.from_levels(*quantize_int4(w.detach(), group))
+    else:
+        model.quantized_head = Int8Linear(w)
+    model.quantized_head.float_output = True
     if hasattr(model, "lm_head"):
         del model.lm_head
     release_freed_memory()

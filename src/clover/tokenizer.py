@@ -3,8 +3,7 @@
 We wrap the Rust `tokenizers` library directly instead of `transformers.AutoTokenizer`: it loads
 in milliseconds, and a `tokenizer.json` plus `tokenizer_config.json` hold everything serving
 needs (special tokens, chat template). The one job that needs transformers, turning a GGUF's
-embedded vocabulary into those two files, lives in `clover.gguf_tokenizer` and is re-exported
-here as `convert_gguf_tokenizer`.
+embedded vocabulary into those two files, lives in `clover.checkpoints.gguf_tokenizer`.
 
 `clean_up_tokenization_spaces` is deliberately ignored (decode is the backend's decode): it is a
 BERT-era option that chat models switch off, and honouring it would break streaming.
@@ -21,9 +20,8 @@ import tokenizers
 
 from clover.chat_template import render_chat_template, validate_messages
 from clover.errors import CloverError
-from clover.gguf_tokenizer import convert_gguf_tokenizer
 
-__all__ = ["StreamDecoder", "Tokenizer", "convert_gguf_tokenizer"]
+__all__ = ["StreamDecoder", "Tokenizer"]
 
 # Markers that end an assistant turn in common chat formats (ChatML, Llama 3, Phi-3, Gemma, GPT-2
 # style). A model may emit any of them instead of its configured eos, so generation stops on all.

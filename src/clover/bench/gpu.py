@@ -136,7 +136,7 @@ def time_passes(
 ) -> dict:
     """-> {"results": [{length, batch, block_pass_ms, commit_pass_ms, ar_step_ms, ...}], ...}"""
     from clover.bench.common import spread
-    from clover.engine import resolve_device
+    from clover.checkpoints import resolve_device
 
     dev = resolve_device(device)
     if preset == "clover-35b-a3b" and dev.type == "cpu":

@@ -83,7 +83,8 @@ def distill(
     """Distil `n_prompts` prompts (resumable); returns counts. `device` "cuda" runs the teacher
     on a GPU (dtype auto -> float32 there: the GGUF's levels, unrounded); `max_minutes` stops
     after the batch in flight once that much time has passed (a rerun continues)."""
-    from clover.engine import LLM, GenerationSettings, resolve_device
+    from clover.checkpoints import resolve_device
+    from clover.engine import LLM, GenerationSettings
 
     if n_prompts < 1 or batch_size < 1 or top_k < 1 or max_tokens < 1:
         raise CloverError("prompts, batch size, top-k and max tokens must be >= 1")

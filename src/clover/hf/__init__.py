@@ -9,7 +9,7 @@ Decisions, and why:
   hijack every llama checkpoint in the process. One type serves every Clover architecture
   (the wrapper builds whichever one the config names). `native_config` turns such a dict back
   into ours at read time, so our own loader reads both and in memory the config keeps its
-  real model_type (see `clover.weights.read_config`).
+  real model_type (see `clover.checkpoints.hf_dir.read_config`).
 - `import clover` registers with transformers without importing it (that costs seconds, and
   transformers 5 offers no plugin entry point for its Auto classes). `install()` puts a
   post-import hook on `sys.meta_path` (see `clover.hf.hooks`): right after transformers

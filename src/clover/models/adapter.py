@@ -224,7 +224,7 @@ def read_adapter_config(path: Path) -> AdapterConfig:
 
 def load_adapter(model: nn.Module, path: Path) -> DraftAdapter:
     """Attach the adapter stored at `path` to `model` (weights in the model's float dtype)."""
-    from clover.weights import read_safetensors
+    from clover.checkpoints.hf_dir import read_safetensors
 
     config = read_adapter_config(path)
     adapter = attach_adapter(model, config)

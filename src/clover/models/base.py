@@ -68,6 +68,10 @@ class DiffusionLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute state that checkpoints do not hold (called after loading)."""
 
+    def fused_layers(self, layout: StepLayout, caches: list[LayerCache] | None) -> list | None:
+        """Fused C++ layers (clover.kernels) this pass runs through, or None: the modules."""
+        return None
+
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight [V, D]: `lm_head`, or the embedding table when tied."""
         return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
@@ -172,6 +176,7 @@ class DiffusionLM(nn.Module):
             and caches is not None
             and (adapter is None or adapter.tokens.index is None)  # no block tokens
             and not torch.is_grad_enabled()
+            and self.fused_layers(layout, caches) is None  # the fused path needs no compiling
         )
         backbone = self.compiled_backbone if compiled else self.backbone
         try:

@@ -38,6 +38,10 @@ class StepLayout:
             self.span = (int(self.lengths.min()), int(self.lengths.max()))
         return self.span
 
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lengths, n_commit, n_block), each long [B]."""
+        return self.lengths, self.n_commit, self.n_block
+
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[1]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clover.checkpoints import DEFAULT_MODEL, device_dtype, resolve_device
 from clover.decoding.policies import DECODERS, DRAFTS
-from clover.engine import DEFAULT_MODEL, device_dtype, resolve_device
 from clover.errors import CloverError
 
 
@@ -14,7 +14,7 @@ class ServeOptions:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     compile: bool = False  # torch.compile the causal passes (warmed up while loading)
-    device: str = "cpu"  # cpu, cuda, cuda:N or auto (clover.engine.resolve_device)
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto (clover.checkpoints.resolve_device)
     adapter: str | None = None  # a draft adapter file (the model's own when None)
     host: str = "127.0.0.1"
     port: int = 8000

@@ -557,7 +557,7 @@ def adapter_provenance(info: dict, cfg: TrainConfig, steps: int, tokens: int) ->
 
 def export_model(model: torch.nn.Module, llm: object, target: Path) -> Path:
     """The adapted model as an HF-format directory that every command loads (atomic)."""
-    from clover.weights import save_checkpoint
+    from clover.checkpoints.hf_dir import save_checkpoint
 
     config = model.config
     config.default_decoder = "low_confidence"

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from clover.registry import cache_dir
+from clover.checkpoints.registry import cache_dir
 
 SOURCES = "sources.json"
 CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches

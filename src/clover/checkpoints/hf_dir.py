@@ -1,10 +1,11 @@
-"""Checkpoint files <-> state dicts: HF directories (sharded safetensors), GGUF, saving.
+"""HF-format directories <-> state dicts: config.json + (sharded) safetensors, saving, and
+`model_from_state`, the one place a (config, state dict) pair becomes a model.
 
-Every reader returns (config dict, state dict with HF names) so one path builds the model;
-the architecture module owns the name maps. Problems with files (missing, truncated, wrong
-shapes, unknown architecture) raise `CloverError` naming the file or tensor. Saving writes
-into a temporary directory next to the target and renames it, so a crash never leaves a
-half-written checkpoint.
+Every reader (this one, `gguf.read_gguf`) returns (config dict, state dict with checkpoint
+names) so one path builds the model; the architecture module owns the name map (`sanitize`,
+beside its model code). Problems with files (missing, truncated, wrong shapes, unknown
+architecture) raise `CloverError` naming the file or tensor. Saving writes into a temporary
+directory next to the target and renames it, so a crash never leaves a half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -113,59 +113,6 @@ def read_hf_dir(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_config(directory)
     return config, read_safetensors(safetensors_files(directory), dtype)
-
-
-def gguf_metadata(reader: object) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-            continue  # large and handled by the tokenizer converter
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 (exotic field types are not needed for weights)
-            continue
-    return meta
-
-
-def read_gguf(path: Path, progress: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A GGUF file -> (HF-style config dict, float32 state dict with HF names)."""
-    import gguf
-    from gguf.quants import dequantize
-
-    path = Path(path)
-    if not path.is_file():
-        raise CloverError(f"GGUF file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 (the reader raises many types on bad files)
-        raise CloverError(f"cannot read GGUF file {path} (truncated or not GGUF?): {e}") from None
-    meta = gguf_metadata(reader)
-    arch_name = meta.get("general.architecture")
-    arch = architecture({"llama": "llama", "qwen2": "qwen2"}.get(arch_name, arch_name))
-    config = arch.config_from_gguf(meta)
-    file_type = meta.get("general.file_type")
-    if file_type is not None:
-        try:  # kept in config.json: `auto` precision picks int4 for 4-bit sources
-            config["gguf_file_type"] = gguf.LlamaFileType(int(file_type)).name
-        except ValueError:
-            config["gguf_file_type"] = str(file_type)
-    arrays: dict[str, np.ndarray] = {}
-    tensors = reader.tensors
-    if progress:
-        from tqdm import tqdm
-
-        tensors = tqdm(tensors, desc=f"dequantizing {path.name}", unit="tensor")
-    for t in tensors:
-        try:
-            arrays[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except NotImplementedError:
-            raise CloverError(
-                f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, "
-                "which cannot be dequantized"
-            ) from None
-    arrays = arch.tensors_from_gguf(arrays, config)
-    state = {k: torch.from_numpy(np.require(v, requirements=["C", "W"])) for k, v in arrays.items()}
-    return config, state
 
 
 def check_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) -> None:

@@ -22,7 +22,19 @@ from typing import Literal
 
 from clover.errors import CloverError
 
-__all__ = ["KNOWN_MODELS", "ModelEntry", "ResolvedModel", "cache_dir", "pull", "resolve"]
+__all__ = [
+    "BASE_MODEL",
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "ModelEntry",
+    "ResolvedModel",
+    "cache_dir",
+    "pull",
+    "resolve",
+]
+
+DEFAULT_MODEL = "clover-smol-135m"  # SmolLM2-135M-Instruct + our draft adapter (MODEL_CARD.md)
+BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
 
 
 def cache_dir() -> Path:
@@ -63,7 +75,7 @@ class ModelEntry:
     def adapter_path(self) -> Path | None:
         if self.adapter is None:
             return None
-        return Path(__file__).parent / "adapters" / self.adapter
+        return Path(__file__).parents[1] / "adapters" / self.adapter  # clover/adapters/
 
 
 _SMOLLM2 = ModelEntry(

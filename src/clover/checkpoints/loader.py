@@ -1,0 +1,211 @@
+"""A model name, a GGUF file or an HF directory -> a ready model + tokenizer (`load`).
+
+The steps, in order, each decided here once:
+1. resolve: a registry name (pulled if missing), a `.gguf` file, an HF directory, or a
+   shape preset (random weights, the base model's tokenizer);
+2. an HF-format directory: given, or a GGUF converted once into the user cache
+   (`prepare_checkpoint`; `cache` keys it by the file's bytes);
+3. precision and device: `auto` is int4 for a 4-bit GGUF source, else bfloat16 where the CPU
+   has bf16 instructions, else float32; off the CPU, bfloat16 (int4/int8 are CPU kernels);
+4. the weights are read in that dtype and adopted by the architecture (`hf_dir.model_from_state`,
+   the family's `sanitize` maps names); the registry's decoding defaults and draft adapter are
+   applied; weight-only quantization last; then the move to the device.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clover.checkpoints import cache
+from clover.checkpoints.gguf import read_gguf
+from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
+from clover.checkpoints.hf_dir import model_from_state, read_config, read_hf_dir, save_checkpoint
+from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
+from clover.decoding.policies import check_model_defaults
+from clover.errors import CloverError
+from clover.models.base import DiffusionLM
+from clover.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.bfloat16,  # weight-only int8, bf16 activations (clover.quant)
+    "int4": torch.bfloat16,  # weight-only int4 groups of 32, bf16 activations
+}
+PRESETS = ("clover-tiny", "clover-35b-a3b")  # architecture shapes with random weights
+
+
+@dataclass
+class Loaded:
+    """What `load` returns: the model (on its device, at its precision) and how it was made."""
+
+    model: DiffusionLM
+    tokenizer: Tokenizer
+    name: str
+    dtype: str  # the precision chosen (never "auto")
+    device: torch.device
+    directory: Path | None  # the HF-format directory read (None for a preset)
+    resolved: ResolvedModel | None  # None for a preset
+    adapter: str | None  # the draft adapter file attached, if any
+
+
+def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
+    """An HF-format directory for the model, converting a GGUF file on first use (`cache`:
+    keyed by the file's bytes; stale conversions are pruned before a new one is written)."""
+    if resolved.kind == "hf":
+        return resolved.path
+    sha = cache.file_sha256(resolved.path, progress)
+    overrides = resolved.entry.overrides if resolved.entry else {}
+    target = cache.converted_dir(resolved.path, sha, overrides)
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        cache.note_use(target, resolved.path, sha)
+        return target
+    removed = cache.prune()  # before writing: a full disk may be full of stale copies
+    if progress and removed:
+        print(cache.removed_summary(removed), file=sys.stderr)
+    config, state = read_gguf(resolved.path, progress=progress)
+    config.update(overrides)
+    model = model_from_state(config, state, resolved.path.name, torch.float32)
+    extras = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
+        convert_gguf_tokenizer(resolved.path, extras)
+        cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
+        save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
+    except OSError as e:
+        need = sum(p.numel() for p in model.parameters()) * 4 / 1e9
+        raise CloverError(
+            f"cannot write the converted checkpoint ({need:.1f} GB, float32) to {target.parent}: "
+            f"{e.strerror or e}; free space there or point $CLOVER_CACHE elsewhere"
+        ) from None
+    finally:
+        if extras is not None:
+            shutil.rmtree(extras, ignore_errors=True)
+    return target
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" (cuda when visible, else cpu), "cpu", "cuda", "cuda:N" -> a device; a CUDA
+    device that is not visible is a clear error here rather than a crash later."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise CloverError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CloverError(f"--device {name}: no CUDA device is visible")
+    return dev
+
+
+def device_dtype(device: torch.device, dtype: str) -> str:
+    """The precision to load at on `device`: off the CPU, auto means bfloat16 and the
+    weight-only int4/int8 kernels (CPU ones) are refused."""
+    if device.type == "cpu":
+        return dtype
+    if dtype in ("int4", "int8"):
+        raise CloverError(
+            f"--dtype {dtype} is a CPU precision; on {device} use bfloat16 or float32"
+        )
+    return "bfloat16" if dtype == "auto" else dtype
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(config: dict) -> str:
+    """int4 for 4-bit GGUF sources (their own levels), else bfloat16 where the CPU has bf16
+    instructions, else float32."""
+    if not cpu_has_bf16():
+        return "float32"
+    if str(config.get("gguf_file_type", "")).startswith(("MOSTLY_Q4_0", "MOSTLY_Q4_1")):
+        return "int4"
+    return "bfloat16"
+
+
+def _preset_model(name: str, progress: bool) -> tuple[DiffusionLM, Tokenizer]:
+    """A Clover-architecture preset with random weights (seed 0) and the default model's
+    tokenizer: it exercises the whole mechanism; its output is meaningless."""
+    from clover.models.clover import CloverModel, preset_config
+
+    config = preset_config(name)
+    if config.num_params > 2e9:
+        raise CloverError(
+            f"{name} is a shape preset of {config.num_params / 1e9:.1f}B parameters with no "
+            "weights; `clover info` describes it, generation needs a checkpoint"
+        )
+    base = prepare_checkpoint(resolve(BASE_MODEL, progress=progress), progress)
+    tokenizer = Tokenizer.from_dir(base)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CloverError(f"{name}: vocabulary smaller than the tokenizer's")
+    torch.manual_seed(0)
+    return CloverModel(config).eval(), tokenizer
+
+
+def load(
+    model: str,
+    *,
+    dtype: str = "auto",
+    progress: bool = True,
+    adapter: str | Path | None = None,
+    device: str = "cpu",
+) -> Loaded:
+    """adapter: a draft adapter file to attach; a registry name that ships one attaches its
+    own. device: cpu, cuda, cuda:N or auto (`resolve_device`): weights load on the CPU, then
+    move."""
+    if dtype not in DTYPES and dtype != "auto":
+        raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
+    dev = resolve_device(device)
+    dtype = device_dtype(dev, dtype)
+    resolved, directory = None, None
+    if model in PRESETS:
+        net, tokenizer = _preset_model(model, progress)
+        dtype = "float32" if dtype == "auto" else dtype
+        net.to(DTYPES[dtype])
+        name = model
+    else:
+        resolved = resolve(model, progress=progress)
+        directory = prepare_checkpoint(resolved, progress)
+        if dtype == "auto":
+            dtype = auto_dtype(read_config(directory))
+        config, state = read_hf_dir(directory, DTYPES[dtype])
+        net = model_from_state(config, state, str(directory), DTYPES[dtype])
+        tokenizer = Tokenizer.from_dir(directory)
+        name = resolved.name
+        entry = resolved.entry
+        if entry is not None and entry.adapter is not None and adapter is None:
+            adapter = entry.adapter_path
+        for key, value in (entry.decoding if entry else {}).items():
+            setattr(net.config, key, value)
+    check_model_defaults(net.config)
+    if adapter is not None:
+        from clover.models.adapter import load_adapter
+
+        if not Path(adapter).is_file():
+            raise CloverError(f"adapter file {adapter} not found")
+        load_adapter(net, Path(adapter))
+        net.to(DTYPES[dtype])
+        adapter = str(adapter)
+    if dtype in ("int4", "int8"):
+        from clover.quant import quantize_model
+
+        quantize_model(net, dtype)
+    if adapter is not None:
+        from clover.models.adapter import keep_float32
+
+        keep_float32(net)
+    net.to(dev)
+    return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter)
