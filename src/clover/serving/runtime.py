@@ -28,6 +28,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from clover.decoding.loop import generate
+from clover.decoding.policies import make_policy
 from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.serving.constraints import Vocab
@@ -77,6 +79,13 @@ class Runtime:
             o = self.options
             if getattr(llm, "compiled", False) and o.max_running > 1 and not o.deterministic:
                 llm.warm_up(rows=2)  # the batched graphs too, before the server says ready
+            # one token through the model: whatever its first pass builds (the CPU kernels
+            # compile on first use, a minute on 2 cores) is built before /health says ready,
+            # not inside the first request's timeout
+            for _ in generate(
+                llm.model, [llm.encode("Hello")], make_policy("ar"), max_new_tokens=1
+            ):
+                pass
             scheduler = Scheduler(llm, o.max_running, o.max_queue, o.deterministic)
             defaults = GenerationSettings(
                 decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
