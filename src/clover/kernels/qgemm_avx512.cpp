@@ -108,7 +108,7 @@ CLOVER_INLINE void rows(int64_t mc, const uint8_t* base, __m512i* wbuf, __m512i 
   switch (mc - r) {
     case 1: micro<1, 4, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
     case 2: micro<2, 2, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 3: micro<3, 2, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 3: micro<3, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
     case 4: micro<4, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
     case 5: micro<5, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
     case 6: micro<6, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;

@@ -99,11 +99,14 @@ class DiffusionLM(nn.Module):
         n_commit: torch.Tensor | int | None = None,
         n_valid: torch.Tensor | int | None = None,
         layout: StepLayout | None = None,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> hidden [B, T, D].
 
         n_valid [B] (default T): tokens per row that are not padding. n_commit [B] (mode
         "block" only, default 0): leading tokens committed causally before the block.
+        capture: layer ids whose outputs to return too (a drafter's features, cached modes):
+        then -> (hidden, features float32 [B, T, len(capture) * D], in capture's order).
         """
         B, T = input_ids.shape
         if mode == "train":
@@ -126,9 +129,15 @@ class DiffusionLM(nn.Module):
                 raise CloverError("n_commit exceeds the number of valid tokens")
         cache.prepare(T, valid)
         step = cached_layout(commit, block, cache.lengths, T)
+        step.capture = tuple(capture)
         hidden = self._run(input_ids, step, cache.layers)
         cache.advance(commit)
-        return hidden
+        if not capture:
+            return hidden
+        if len(step.captured) != len(set(capture)):
+            raise CloverError(f"capture {list(capture)}: layer ids outside the model")
+        by_layer = dict(zip(sorted(set(capture)), step.captured))
+        return hidden, torch.cat([by_layer[i] for i in capture], -1)
 
     def forward_over_prefix(
         self, input_ids: torch.Tensor, cache: ModelCache, layout: StepLayout
@@ -177,6 +186,7 @@ class DiffusionLM(nn.Module):
             and (adapter is None or adapter.tokens.index is None)  # no block tokens
             and not torch.is_grad_enabled()
             and self.fused_layers(layout, caches) is None  # the fused path needs no compiling
+            and not layout.capture
         )
         backbone = self.compiled_backbone if compiled else self.backbone
         try:

@@ -278,6 +278,7 @@ class CloverModel(DiffusionLM):
             groups = torch.where(in_block, torch.arange(len(nc))[:, None], -1)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, layout, None if caches is None else caches[i], groups, coreset)
+            layout.keep(i, x)
         return self.model.norm(x)
 
     def _train_forward(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:

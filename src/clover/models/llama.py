@@ -204,6 +204,7 @@ class LlamaModel(DiffusionLM):
         rope = rope_cos_sin(layout.positions, self.inv_freq.to(input_ids.device))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, layout, None if caches is None else caches[i])
+            layout.keep(i, x)
         return self.model.norm(x)
 
     # --- the fused path: one C++ call a layer (clover/kernels/layer.cpp) -----------------------
@@ -236,8 +237,9 @@ class LlamaModel(DiffusionLM):
         cos, sin = rope_cos_sin(layout.positions, self.inv_freq)  # [B, 1, T, R]
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         lengths, n_commit, n_block = (t.contiguous() for t in layout.counts())
-        for layer, cache in zip(fused, caches):
+        for i, (layer, cache) in enumerate(zip(fused, caches)):
             layer.forward(x, cache.k, cache.v, lengths, n_commit, n_block, cos, sin)
+            layout.keep(i, x)
         norm = self.model.norm
         return kernels.load().rms_norm_bf16(x, norm.weight, norm.eps)
 
