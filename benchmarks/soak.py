@@ -166,7 +166,7 @@ def run_one(client: httpx.Client, url: str, kind: str, rng: random.Random) -> tu
                     lines += 1
                     if cancel and lines >= 6:
                         break  # leaving the block drops the connection: the server cancels
-                    if '"error"' in line and "data:" in line and status < 400:
+                    if status < 400 and _error_event(line):
                         status = 599  # an error event inside a 200 stream
         else:
             r = client.post(url + path, content=content, headers=headers)
@@ -181,6 +181,17 @@ def run_one(client: httpx.Client, url: str, kind: str, rng: random.Random) -> tu
     if 400 <= status < 500:
         return ("expected_4xx" if expected == "4xx" else "unexpected_4xx"), seconds
     return ("ok" if expected == "ok" else "unexpected_2xx"), seconds
+
+
+def _error_event(line: str) -> bool:
+    """An SSE line that reports an error: Anthropic's and the Responses API's `event: error`,
+    or a chat chunk whose payload is an error object."""
+    if line == "event: error":
+        return True
+    if not line.startswith("data: {"):
+        return False
+    payload = json.loads(line[len("data: ") :])
+    return isinstance(payload.get("error"), dict) and "choices" not in payload
 
 
 def rss_mb(pid: int) -> float | None:
