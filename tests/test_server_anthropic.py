@@ -174,6 +174,7 @@ BAD = [
     ({"max_tokens": 10, "messages": ASK, "model": "claude-x"}, "claude-x"),
     ({"max_tokens": 10, "messages": ASK, "stop_sequences": "stop"}, "stop_sequences"),
     ({"max_tokens": 10**6, "messages": ASK}, "max_tokens"),
+    ({"max_tokens": 10, "messages": ASK, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
 ]  # fmt: skip
 
 

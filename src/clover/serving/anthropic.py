@@ -31,6 +31,7 @@ from clover.serving.errors import APIError, bad_request
 from clover.serving.responses import Blocks, Call, matched_stop, pieces
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+UNSUPPORTED = ("mcp_servers", "container")  # refused rather than silently dropped
 PASS_THROUGH = (
     "decoder", "block_size", "threshold", "draft", "slide", "refine_steps", "seed",
     "parse_special_tokens", "chat_template_kwargs",
@@ -40,6 +41,9 @@ PASS_THROUGH = (
 def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """A Messages request -> the equivalent chat/completions request (400s name the fields
     as Anthropic's API spells them)."""
+    for name in UNSUPPORTED:
+        if body.get(name):
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported")
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise bad_request("max_tokens is required", "max_tokens")

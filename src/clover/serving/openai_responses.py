@@ -52,8 +52,9 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
                 name,
                 "unsupported",
             )
-    if body.get("background"):
-        raise bad_request("background responses are not supported", "background", "unsupported")
+    for name in ("background", "prompt", "top_logprobs"):
+        if body.get(name):
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported")
     out: dict[str, Any] = {k: body[k] for k in PASS_THROUGH if k in body}
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
