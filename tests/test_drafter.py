@@ -148,11 +148,14 @@ def test_drafter_training_learns_and_writes_a_loadable_file(tiny_checkpoint, dat
 
 
 def test_drafter_training_resumes_exactly(tiny_checkpoint, data, tmp_path):
+    """Stopped and continued = run through, across epochs (the continued run recomputes the
+    target features the first one had kept)."""
     from clover.train.drafter import train_drafter
 
-    train_drafter(drafter_config(tiny_checkpoint, data, tmp_path / "full"), progress=False)
-    part = drafter_config(tiny_checkpoint, data, tmp_path / "part")
-    train_drafter(part, progress=False, until=4)
+    kw = {"steps": 24, "batch_size": 8, "eval_every": 12}  # ~5 epochs of the 38 examples
+    train_drafter(drafter_config(tiny_checkpoint, data, tmp_path / "full", **kw), progress=False)
+    part = drafter_config(tiny_checkpoint, data, tmp_path / "part", **kw)
+    train_drafter(part, progress=False, until=12)
     train_drafter(part, progress=False)
 
     def losses(d):
