@@ -58,7 +58,9 @@ def write_checkpoint(directory: Path, context: int = 2048, template: str = CHATM
     return save_checkpoint(model, directory / "tiny", sorted(files.iterdir()))
 
 
-def wait_ready(url: str, timeout: float = 60, headers: dict | None = None) -> None:
+def wait_ready(url: str, timeout: float = 600, headers: dict | None = None) -> None:
+    # generous: a server runs its first pass before it says ready, and on a fresh cache that
+    # builds the CPU kernels (minutes on a busy 2-core machine)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):

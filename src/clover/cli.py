@@ -399,7 +399,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         device=a.device,
         host=a.host,
         port=a.port,
-        api_key=a.api_key or os.environ.get("CLOVER_API_KEY") or None,
+        api_key=a.api_key if a.api_key is not None else os.environ.get("CLOVER_API_KEY"),
         served_model_name=a.served_model_name,
         max_running=a.max_running,
         max_queue=a.max_queue,
@@ -414,15 +414,26 @@ def cmd_serve(a: argparse.Namespace) -> int:
         shutdown_grace=a.shutdown_grace,
         access_log=a.access_log,
         prefix_cache_mb=a.prefix_cache_mb,
+        deterministic=a.deterministic,
+        allowed_hosts=tuple(_csv(a.allowed_hosts)),
+        cors_origins=tuple(_csv(a.cors_origins)),
+        sse_keepalive=a.sse_keepalive,
     )
     return serve(options)
+
+
+def _csv(values: list[str] | None) -> list[str]:
+    """Repeated or comma-separated flag values -> one list."""
+    return [v.strip() for value in values or [] for v in value.split(",") if v.strip()]
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")
     p.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` (default: $CLOVER_API_KEY)"
+        "--api-key",
+        help="require `Authorization: Bearer KEY` or `x-api-key: KEY` (default: "
+        "$CLOVER_API_KEY); an empty key is refused",
     )
     p.add_argument("--served-model-name", help="model id clients use (default: the model's)")
     p.add_argument("--max-running", type=int, default=8, help="sequences batched together (8)")
@@ -445,6 +456,29 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-grace", type=float, default=30.0, help="seconds to finish answers on SIGTERM"
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="decode one sequence at a time: answers do not depend on other requests",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        action="append",
+        metavar="HOST[,HOST]",
+        help="Host header names accepted beside localhost and IP addresses ('*': any)",
+    )
+    p.add_argument(
+        "--cors-origins",
+        action="append",
+        metavar="ORIGIN[,ORIGIN]",
+        help="browser origins allowed to call the API, e.g. http://localhost:3000 ('*': any)",
+    )
+    p.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=15.0,
+        help="seconds of silence before a stream sends a keep-alive (15)",
+    )
 
 
 def _megabytes(text: str) -> float:

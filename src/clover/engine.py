@@ -253,8 +253,8 @@ class LLM:
         first = [0.0] * len(prompts)
         try:
             for event in loop:
-                for row in event.finished:
-                    texts[row].finish()
+                for row, reason in event.finished.items():
+                    texts[row].finish(cut=reason == "length")
                 for row, ts in enumerate(texts):
                     text = ts.take()
                     if text:
@@ -333,9 +333,12 @@ class TextStream:
         self.outbox += emit
         return self.stopped
 
-    def finish(self) -> None:
+    def finish(self, cut: bool = False) -> None:
+        """The answer ended; `cut`: by its token budget, possibly inside a multi-byte
+        character, whose incomplete bytes (decoded as U+FFFD) are then dropped."""
         if not self.stopped:
-            tail = self.held + self.decoder.flush()
+            rest = self.decoder.flush()
+            tail = self.held + (rest.rstrip("\ufffd") if cut else rest)
             self.outbox += _split_stop(tail, self.stops, final=True)[0]
             self.held = ""
 

@@ -112,6 +112,7 @@ class Tokenizer:
     ) -> None:
         config = config or {}
         self._backend = backend
+        self._literal: tokenizers.Tokenizer | None = None
         declared = config.get("added_tokens_decoder")
         if isinstance(declared, dict):
             _add_declared_tokens(backend, declared)
@@ -191,16 +192,35 @@ class Tokenizer:
             return next(iter(self.chat_templates.values()))
         return None
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Text -> ids. Special-token strings in `text` (e.g. `<|im_start|>`) map to their ids."""
+    def encode(
+        self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = True
+    ) -> list[int]:
+        """Text -> ids. Special-token strings in `text` (e.g. `<|im_start|>`) map to their ids,
+        unless `split_special_tokens` is False: then they are encoded as the text they spell
+        (for untrusted text that must not become control tokens)."""
         if not isinstance(text, str):
             raise CloverError(f"can only encode a string, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        backend = self._backend if split_special_tokens else self._literal_backend()
+        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None:
             if not ids or ids[0] != bos:
                 ids = [bos, *ids]
         return ids
+
+    def _literal_backend(self) -> tokenizers.Tokenizer:
+        # a copy, so the shared backend's setting never changes under another thread
+        if self._literal is None:
+            literal = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The text of every special token, longest first."""
+        texts = {self._backend.id_to_token(i) for i in self.special_token_ids}
+        return tuple(sorted((t for t in texts if t), key=lambda t: (-len(t), t)))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Ids -> text. Incomplete UTF-8 at the end decodes to U+FFFD (see StreamDecoder)."""

@@ -144,9 +144,10 @@ class BatchDecoder:
         _check(self.model, [prompt], policy, max_new_tokens)
         sampling = sampling or SamplingParams()
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(
-            (sampling.seed if sampling.seed is not None else 0) * 1_000_003 + seed_index
-        )
+        if sampling.seed is not None:
+            gen.manual_seed(sampling.seed * 1_000_003 + seed_index)
+        else:
+            gen.seed()  # unseeded sampling: fresh OS entropy, so two such requests differ
         if index is None:
             index, self._next = self._next, self._next + 1
         # the answer may use what the context leaves; it then ends with reason "length"

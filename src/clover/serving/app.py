@@ -1,15 +1,24 @@
 """The FastAPI application: routes, middleware and error handling.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`, `GET /version`, and the web page at `/` (static files, no build step).
-Handlers stay thin: read the body (size-limited), validate it (`protocol`), render and
-tokenize the prompt (with tools, `tools`), attach the answer's decoding rule if the request
-has one (JSON output, a forced tool call, a thinking budget: `constraints`), submit to the
-scheduler, and hand the tickets to `responses`.
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages` (Anthropic),
+`POST /v1/responses` (OpenAI Responses), `GET /v1/models`, `GET /health`, `GET /metrics`,
+`GET /version`, and the web page at `/` (static files, no build step). Handlers stay thin:
+read the body (JSON only, size-limited), validate it (`protocol`; the Anthropic and Responses
+bodies are first translated into a chat request by `anthropic` / `openai_responses`), render
+and tokenize the prompt (`prompt`), attach the answer's decoding rule if the request has one
+(JSON output, a forced tool call, a thinking budget: `constraints`), submit to the scheduler,
+and hand the tickets to `responses`, whose pieces each API formats its own way. All three
+chat-like APIs share `start_chat`: one generation path.
 
-Every error leaves as an OpenAI error object, including 404/405 from routing and unexpected
-exceptions, whose details are logged on the server and never sent. The interactive API docs
-are off: they would be one more unauthenticated surface and nothing here needs them.
+Every error leaves in the shape of the API the request spoke (`errors.api_for_path`),
+including 404/405 from routing and unexpected exceptions, whose details are logged on the
+server and never sent (`CatchAll`, which also keeps the connection alive). The interactive
+API docs and the OpenAPI route are off: one more unauthenticated surface, and nothing here
+needs them. `app.openapi()` still describes every route's request body (`schemas`), which
+the fuzz test drives.
+
+Middleware, outermost first: request counting, CORS (only with `--cors-origins`), the
+Host/Origin guard, the API key, then `CatchAll`.
 """
 
 from __future__ import annotations
@@ -28,26 +37,29 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import StreamingResponse
 
 from clover import __version__
 from clover.engine import LLM
-from clover.errors import CloverError
+from clover.serving import anthropic, openai_responses, schemas
 from clover.serving.constraints import JsonRule, TokenConstraint, answer_rule
-from clover.serving.errors import APIError, bad_request, internal_error
+from clover.serving.errors import APIError, api_for_path, internal_error, send_error
 from clover.serving.options import ServeOptions
-from clover.serving.protocol import fit, parse_chat, parse_completion, parse_json
+from clover.serving.prompt import render_chat
+from clover.serving.protocol import ChatRequest, fit, parse_chat, parse_completion, parse_json
 from clover.serving.reasoning import prompt_opens_reasoning
 from clover.serving.responses import Call, complete, stream
 from clover.serving.runtime import ClientGone, Runtime
-from clover.serving.security import ApiKeyMiddleware, read_body
-from clover.serving.tools import call_rule, render_inputs, template_knows_tools
+from clover.serving.security import ApiKeyMiddleware, HostGuard, read_body
+from clover.serving.tools import call_rule
 
 log = logging.getLogger("clover.serve")
 STATIC = Path(__file__).parent / "static"
 # /metrics labels requests by these routes; anything else counts as "other"
 ROUTES = frozenset(
-    "/ /health /metrics /version /v1/models /v1/chat/completions /v1/completions".split()
+    "/ /health /metrics /version /v1/models /v1/chat/completions /v1/completions "
+    "/v1/messages /v1/responses".split()
 )
 
 
@@ -70,19 +82,17 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
     started = int(time.time())
 
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, e: APIError) -> JSONResponse:
-        return e.response()
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response(api_for_path(request.url.path))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, e: HTTPException) -> JSONResponse:
-        messages = {404: "no such route", 405: "method not allowed on this route"}
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path[:100]}"
+        messages = {404: f"no such route: {where}", 405: f"method not allowed: {where}"}
+        codes = {404: "not_found", 405: "method_not_allowed"}
         message = messages.get(e.status_code, "request refused")
-        return APIError(e.status_code, message, code=str(e.status_code)).response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error while serving a request")
-        return internal_error().response()
+        error = APIError(e.status_code, message, code=codes.get(e.status_code, "refused"))
+        return error.response(api_for_path(request.url.path))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -109,28 +119,12 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         text = runtime.metrics.render(runtime.scheduler, runtime.scheduler is not None)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        runtime.require_ready()
-        raw = await read_body(request, options.max_body_bytes)
-        req = parse_chat(parse_json(raw), runtime.limits)
+    async def start_chat(req: ChatRequest, arrived: float, prefix: str) -> Call:
+        """Render, fit, constrain and submit a chat request: the one path behind
+        chat/completions, Anthropic messages and Responses."""
         llm = runtime.llm
-
-        def render() -> tuple[str, list[int], tuple[int, ...]]:
-            knows = template_knows_tools(llm.tokenizer)
-            messages, extra = render_inputs(req.messages, req.tools, knows)
-            kwargs = {**req.template_kwargs, **extra}
-            try:
-                text = llm.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, **kwargs
-                )
-            except CloverError as e:
-                raise bad_request(str(e), "messages") from None
-            ids = llm.tokenizer.encode(text)
-            return text, ids, llm.chat_marks(messages, ids, **kwargs)
-
-        # long prompts must not stall the loop
-        text, ids, marks = await run_in_threadpool(render)
+        # long prompts must not stall the event loop
+        text, ids, snapshots = await run_in_threadpool(render_chat, llm, req)
         settings = fit(req, len(ids), runtime.limits)
         opens = prompt_opens_reasoning(text)
         then = JsonRule(req.json_grammar) if req.json_grammar is not None else None
@@ -140,19 +134,44 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         if rule is not None:
             vocab = await run_in_threadpool(lambda: runtime.vocab)  # decoded once, on first use
             settings = replace(settings, constraint=lambda: TokenConstraint(rule, vocab))
-        ticket = runtime.submit(ids, settings, req.n, marks)
-        call = Call(
-            runtime, True, f"chatcmpl-{uuid.uuid4().hex}", req.model, req,
+        ticket = runtime.submit(ids, settings, req.n, snapshots)
+        return Call(
+            runtime, True, f"{prefix}{uuid.uuid4().hex}", req.model, req,
             llm.default_settings(settings), [(ticket, 0)], len(ids), reasoning_start=opens,
-            tool_names=req.tool_names if req.tools else None,
+            tool_names=req.tool_names if req.tools else None, started=arrived,
         )  # fmt: skip
-        return await _respond(call, request)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def json_body(request: Request) -> dict:
         runtime.require_ready()
-        raw = await read_body(request, options.max_body_bytes)
-        req = parse_completion(parse_json(raw), runtime.limits)
+        return parse_json(await read_body(request, options.max_body_bytes))
+
+    @app.post("/v1/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
+    async def chat(request: Request) -> Response:
+        arrived = time.monotonic()
+        req = parse_chat(await json_body(request), runtime.limits)
+        call = await start_chat(req, arrived, "chatcmpl-")
+        return await respond(call, request, stream, None)
+
+    @app.post("/v1/messages", openapi_extra=schemas.body(schemas.MESSAGES))
+    async def messages(request: Request) -> Response:
+        arrived = time.monotonic()
+        req = parse_chat(anthropic.to_chat_body(await json_body(request)), runtime.limits)
+        call = await start_chat(req, arrived, "msg_")
+        return await respond(call, request, anthropic.stream, anthropic.message)
+
+    @app.post("/v1/responses", openapi_extra=schemas.body(schemas.RESPONSES))
+    async def responses(request: Request) -> Response:
+        arrived = time.monotonic()
+        body = await json_body(request)
+        req = parse_chat(openai_responses.to_chat_body(body), runtime.limits)
+        call = await start_chat(req, arrived, "resp_")
+        call.api = openai_responses.echo_fields(body)  # what the response object repeats
+        return await respond(call, request, openai_responses.stream, openai_responses.response)
+
+    @app.post("/v1/completions", openapi_extra=schemas.body(schemas.COMPLETIONS))
+    async def completions(request: Request) -> Response:
+        arrived = time.monotonic()
+        req = parse_completion(await json_body(request), runtime.limits)
         llm = runtime.llm
         prompts = await run_in_threadpool(
             lambda: [llm.encode(p) if isinstance(p, str) else p for p in req.prompts]
@@ -173,16 +192,27 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         call = Call(
             runtime, False, f"cmpl-{uuid.uuid4().hex}", req.model, req,
             llm.default_settings(fitted[0]), tickets, sum(len(p) for p in prompts), echo=echo,
+            started=arrived,
         )  # fmt: skip
-        return await _respond(call, request)
+        return await respond(call, request, stream, None)
 
     @app.get("/")
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_middleware(CatchAll)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(
+        HostGuard, bound=options.host, allowed_hosts=options.allowed_hosts,
+        cors=options.cors_origins,
+    )  # fmt: skip
+    if options.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(options.cors_origins),
+            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600,
+        )  # fmt: skip
     app.add_middleware(CountRequests, runtime=runtime)
     return app
 
@@ -190,9 +220,9 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
 class TicketStream(StreamingResponse):
     """An SSE response that cancels its tickets however it ends, even before it started."""
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: Call, body: AsyncIterator[str]) -> None:
         super().__init__(
-            stream(call),
+            body,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -206,16 +236,54 @@ class TicketStream(StreamingResponse):
                 ticket.cancel()  # a no-op for tickets already finished
 
 
-async def _respond(call: Call, request: Request) -> Response:
+async def respond(
+    call: Call,
+    request: Request,
+    streamer: Callable[[Call], AsyncIterator[str]],
+    shape: Callable[[Call, dict], dict] | None,
+) -> Response:
+    """The answer as an SSE stream (`streamer`) or one JSON body: the chat/completions body,
+    reshaped for its API by `shape`."""
     if call.request.stream:
-        return TicketStream(call)
+        return TicketStream(call, streamer(call))
     try:
-        return JSONResponse(await complete(call, request.is_disconnected))
+        body = await complete(call, request.is_disconnected)
+        return JSONResponse(shape(call, body) if shape is not None else body)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening any more
     finally:
         for ticket, _ in call.tickets:
             ticket.cancel()
+
+
+class CatchAll:
+    """Raw ASGI: an unexpected exception becomes a logged 500 in the route's API shape.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes
+    the connection; here the exception ends at the answer, so a keep-alive client keeps its
+    connection. If the response had already started, nothing more can be sent: logged only.
+    """
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:  # noqa: BLE001 (the last line of defence: log, answer 500)
+            log.exception("unexpected error while serving %s", scope["path"][:100])
+            if not started:
+                await send_error(send, internal_error(), scope["path"])
 
 
 class CountRequests:

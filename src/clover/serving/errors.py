@@ -1,9 +1,18 @@
-"""Errors as the OpenAI API shapes them: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in each API's own shape, decided in one place.
 
-Every failure a client can see goes through `APIError`, so the body shape and status code are
-decided in one place. Messages are written for the client: they name the field and the limit,
-and never carry a traceback, an exception's repr or a path on the server (unexpected failures
-become a generic 500 whose details go only to the server's log).
+Every failure a client can see goes through `APIError`; `body(api)` renders it for the API
+the request spoke:
+
+- "openai" (chat/completions, completions, Responses, everything else):
+  `{"error": {"message", "type", "param", "code"}}`, `code` a string or null.
+- "anthropic" (`/v1/messages`): `{"type": "error", "error": {"type", "message"}}`, whose
+  `type` follows from the status (`ANTHROPIC_TYPES`).
+
+`api_for_path` picks the shape from the request path, so middleware that answers before a
+route runs (401, Host/Origin refusals, 500s) speaks the same shape as the route would.
+Messages are written for the client: they name the field and the limit, and never carry a
+traceback, an exception's repr or a path on the server (unexpected failures become a generic
+500 whose details go only to the server's log).
 """
 
 from __future__ import annotations
@@ -12,9 +21,27 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    503: "overloaded_error",
+}
+
+
+def api_for_path(path: str) -> str:
+    return "anthropic" if path.startswith(ANTHROPIC_PATHS) else "openai"
+
 
 class APIError(Exception):
-    """A request failed; `response()` is what the client receives."""
+    """A request failed; `response(api)` is what the client receives."""
 
     def __init__(
         self,
@@ -31,11 +58,14 @@ class APIError(Exception):
         self.kind, self.param, self.code = kind, param, code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, api: str = "openai") -> dict[str, Any]:
+        if api == "anthropic":
+            kind = ANTHROPIC_TYPES.get(self.status, "api_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return error_body(self.message, self.kind, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, api: str = "openai") -> JSONResponse:
+        return JSONResponse(self.body(api), status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -45,7 +75,9 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    """A 400; every error carries a string `code` (OpenAI's own use null for some, which
+    clients cannot branch on)."""
     return APIError(400, message, param=param, code=code)
 
 
@@ -56,3 +88,16 @@ def unavailable(message: str, code: str, retry_after: int | None = None) -> APIE
 
 def internal_error() -> APIError:
     return APIError(500, "internal server error", kind="server_error", code="internal_error")
+
+
+async def send_error(send: Any, error: APIError, path: str) -> None:
+    """Answer a raw ASGI request with `error` (for middleware, before any route runs)."""
+    response = error.response(api_for_path(path))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
+    )
+    await send({"type": "http.response.body", "body": response.body})

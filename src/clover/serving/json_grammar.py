@@ -10,90 +10,56 @@ to stay inside the token budget: a token is allowed only if what it leaves can s
 in the tokens that remain (one character per token at worst), so a constrained answer ends as
 complete JSON instead of being cut by max_tokens.
 
-Schema subset: `type` (one or a list of object, array, string, number, integer, boolean,
-null), `enum` / `const`, `properties` + `required` (with properties, only those keys are
-generated, each at most once), `additionalProperties` as a schema (for objects without
-properties), `items`. Anything else is accepted and ignored, so every generated document
-validates against the subset it was generated under. The document starts at its first
-character (no leading whitespace), and after the root value nothing but the end may follow.
+Schemas: `json_schema.SchemaCompiler` turns one into nodes, enforcing every keyword it
+accepts (types, enums, properties, lengths, numeric bounds, local `$ref`, decidable `anyOf`)
+and refusing the rest with a CloverError that names the keyword, so every generated document
+validates against the schema it was generated under. Frames carry what a bounded value
+needs: a string's character count, an array's item count, a bounded number's text. The
+document starts at its first character (no leading whitespace), and after the root value
+nothing but the end may follow.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from clover.errors import CloverError
+from clover.serving.json_schema import ANY, TYPES, Node, SchemaCompiler, compact
+
+__all__ = ["ANY", "TYPES", "JsonGrammar", "Node", "State", "validate"]
 
 WS = " \t\n\r"
-TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-ANY = 0  # node id of the unconstrained value
 CACHE_LIMIT = 200_000  # transitions kept per grammar before the cache is cleared
 
 State = tuple  # of frames, see `JsonGrammar.feed`
-
-
-@dataclass
-class Node:
-    """One compiled schema: what a value at this place may be."""
-
-    types: frozenset[str]
-    enum: tuple[str, ...] | None = None  # compact JSON texts of the allowed values
-    properties: dict[str, int] = field(default_factory=dict)  # key -> node id
-    required: tuple[str, ...] = ()
-    extra: int = ANY  # node of values under keys not in properties (free objects)
-    items: int = ANY
 
 
 class JsonGrammar:
     """JSON documents (under a schema, if given) as a character-level automaton."""
 
     def __init__(self, schema: dict[str, Any] | None = None) -> None:
-        self.nodes: list[Node] = [Node(frozenset(TYPES))]
-        self.root = ANY if schema is None else self._compile(schema, "schema")
+        compiler = SchemaCompiler(schema)
+        self.nodes: list[Node] = compiler.nodes
+        self.root = ANY if schema is None else compiler.compile(schema, "schema")
+        compiler.check_unions()
+        self.first = {nid: compiler.first_chars(nid) for nid in range(len(self.nodes))}
         self._steps: dict[tuple[State, str], State | None] = {}
         self._completions: dict[State, str] = {}
-        self._minimal: dict[int, str] = {}
+        self._shortest_values()
+        for nid, where in compiler.enums:  # drop values the rest of the schema rejects
+            node = self.nodes[nid]
+            values, node.enum = node.enum, None
+            node.enum = tuple(v for v in values if self._accepts(nid, v))
+            if not node.enum:
+                raise CloverError(f"{where}: no value of its enum / const fits the schema")
+        self._steps.clear()  # computed while enums were open
+        self._completions.clear()
+        self._shortest_values()
 
-    # --- schema ----------------------------------------------------------------------------
-
-    def _compile(self, schema: object, where: str) -> int:
-        if schema is True or schema == {}:
-            return ANY
-        if not isinstance(schema, dict):
-            raise CloverError(f"{where} must be an object")
-        node = Node(frozenset(TYPES))
-        kind = schema.get("type")
-        if kind is not None:
-            kinds = [kind] if isinstance(kind, str) else kind
-            if not isinstance(kinds, list) or not kinds or any(k not in TYPES for k in kinds):
-                raise CloverError(f"{where}.type must be one or a list of: {', '.join(TYPES)}")
-            node.types = frozenset(kinds) | ({"integer"} if "number" in kinds else set())
-        values = [schema["const"]] if "const" in schema else schema.get("enum")
-        if values is not None:
-            if not isinstance(values, list) or not values:
-                raise CloverError(f"{where}.enum must be a non-empty list")
-            node.enum = tuple(dict.fromkeys(_compact(v) for v in values))
-        props = schema.get("properties")
-        if props is not None:
-            if not isinstance(props, dict):
-                raise CloverError(f"{where}.properties must be an object")
-            for key, sub in props.items():
-                node.properties[key] = self._compile(sub, f"{where}.properties.{key}")
-        required = schema.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
-            raise CloverError(f"{where}.required must be a list of strings")
-        if props is not None and any(k not in props for k in required):
-            raise CloverError(f"{where}.required names a key that is not in properties")
-        node.required = tuple(dict.fromkeys(required))
-        extra = schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            node.extra = self._compile(extra, f"{where}.additionalProperties")
-        if "items" in schema:
-            node.items = self._compile(schema["items"], f"{where}.items")
-        self.nodes.append(node)
-        return len(self.nodes) - 1
+    def _accepts(self, nid: int, text: str) -> bool:
+        state = self.feed((("value", nid),), text)
+        return state is not None and self.completion(state) == ""
 
     # --- the automaton -----------------------------------------------------------------------
 
@@ -140,18 +106,28 @@ class JsonGrammar:
         if ch in WS:  # (not before the root value: a leading blank line helps no one)
             return below + (("value", nid),) if below else None
         node = self.nodes[nid]
+        if node.branches:  # a union: the branches start with different characters
+            for branch in node.branches:
+                if ch in self.first[branch]:
+                    return self._begin(below, branch, ch)
+            return None
         if node.enum is not None:
             return self._literal(below + (("lit", node.enum, "", None),), ch, fresh=True)
         t = node.types
         if ch == "{" and "object" in t:
             return below + (("obj", nid, "first", (), None),)
         if ch == "[" and "array" in t:
-            return below + (("arr", nid, "first"),)
+            return below + (("arr", nid, "first") + ((0,) if node.sized_array else ()),)
         if ch == '"' and "string" in t:
-            return below + (("str", "value", 0),)
+            return below + (("str", "value", 0) + ((0, nid) if node.sized_string else ()),)
         if (ch == "-" or ch.isdigit()) and ch.isascii() and t & {"number", "integer"}:
             whole = "number" not in t
-            return below + (("num", "-" if ch == "-" else "0" if ch == "0" else "int", whole),)
+            at = "-" if ch == "-" else "0" if ch == "0" else "int"
+            if node.bounds is None:
+                return below + (("num", at, whole),)
+            if node.bounds.completion(ch) is None:
+                return None
+            return below + (("num", at, whole, ch, nid),)
         words = ("true", "false") if "boolean" in t else ()
         words += ("null",) if "null" in t else ()
         if words:
@@ -160,29 +136,45 @@ class JsonGrammar:
 
     def _string(self, stack: State, top: tuple, ch: str) -> State | None:
         # frames: ("str", role "value" | "key", escape: 0 none, 1 after "\", 2-5 in \uXXXX)
-        _, role, esc = top
+        # + (characters so far, node) for a string with a length bound
+        _, role, esc, *sized = top
         below = stack[:-1]
         if esc == 0:
             if ch == '"':
+                if sized and sized[0] < self.nodes[sized[1]].min_length:
+                    return None
                 if role == "value":
                     return below
                 obj = below[-1]  # a free key closed: its value may be anything
                 return below[:-1] + (obj[:2] + ("colon", obj[3], None),)
-            if ch == "\\":
-                return below + (("str", role, 1),)
-            return None if ord(ch) < 0x20 else stack
+            if ord(ch) < 0x20:
+                return None
+            if sized:  # a character starts (an escape counts as one)
+                node = self.nodes[sized[1]]
+                count = sized[0] + 1
+                if node.max_length is not None and count > node.max_length:
+                    return None
+                sized = [min(count, max(node.min_length, node.max_length or 0)), sized[1]]
+            return below + (("str", role, 1 if ch == "\\" else 0, *sized),)
         if esc == 1:
             if ch in '"\\/bfnrt':
-                return below + (("str", role, 0),)
-            return below + (("str", role, 2),) if ch == "u" else None
+                return below + (("str", role, 0, *sized),)
+            return below + (("str", role, 2, *sized),) if ch == "u" else None
         if ch in "0123456789abcdefABCDEF":
-            return below + (("str", role, 0 if esc == 5 else esc + 1),)
+            return below + (("str", role, 0 if esc == 5 else esc + 1, *sized),)
         return None
 
     def _number(self, stack: State, top: tuple, ch: str) -> State | None:
-        # frames: ("num", where in the grammar, integer only)
-        _, at, whole = top
+        # frames: ("num", where in the grammar, integer only) + (text, node) when bounded
+        _, at, whole, *bounded = top
         digit = ch.isascii() and ch.isdigit()
+        if bounded:
+            text, nid = bounded
+            bounds = self.nodes[nid].bounds
+            if ch in "eE" or not (digit or ch == "."):  # no exponent under bounds
+                if at in ("0", "int", "frac") and bounds.accepts(text):
+                    return self._step(stack[:-1], ch) if stack[:-1] else None
+                return None
         nxt = None
         if at == "-":
             nxt = "0" if ch == "0" else "int" if digit else None
@@ -196,6 +188,10 @@ class JsonGrammar:
             nxt = "frac" if at == "." else "exp"
         elif at == "e":
             nxt = "e+" if ch in "+-" else "exp" if digit else None
+        if nxt is not None and bounded:
+            if bounds.completion(text + ch) is None:
+                return None
+            return stack[:-1] + (("num", nxt, whole, text + ch, nid),)
         if nxt is not None:
             return stack[:-1] + (("num", nxt, whole),)
         if at in ("0", "int", "frac", "exp"):  # the number ended: `ch` belongs to the parent
@@ -243,6 +239,8 @@ class JsonGrammar:
                 return None
             return below + (("obj", nid, "key", used, None),)
         if ch == '"' and phase in ("first", "key"):
+            if node.no_extra:
+                return None
             if not node.properties:
                 return stack + (("str", "key", 0),)
             keys = tuple(_compact(k) for k in node.properties if k not in used)
@@ -253,18 +251,26 @@ class JsonGrammar:
 
     def _array(self, stack: State, top: tuple, ch: str) -> State | None:
         # frames: ("arr", node, phase): first (after "["), item (after ","), next (after a value)
-        _, nid, phase = top
-        below = stack[:-1]
+        # + (items started,) for an array with a length bound
+        _, nid, phase, *sized = top
+        below, node = stack[:-1], self.nodes[nid]
         if ch in WS:
             return stack
+        count = sized[0] if sized else 0
         if phase == "next":
             if ch == ",":
-                return below + (("arr", nid, "item"),)
-            return below if ch == "]" else None
+                if node.max_items is not None and count >= node.max_items:
+                    return None
+                return below + (("arr", nid, "item", *sized),)
+            return below if ch == "]" and count >= node.min_items else None
         if ch == "]" and phase == "first":
-            return below
-        inner = below + (("arr", nid, "next"),)
-        return self._begin(inner, self.nodes[nid].items, ch)
+            return below if node.min_items == 0 else None
+        if node.max_items == 0:
+            return None
+        if sized:  # counts past both bounds are all alike: cap them (finite states)
+            sized = [min(count + 1, max(node.min_items, node.max_items or 0))]
+        inner = below + (("arr", nid, "next", *sized),)
+        return self._begin(inner, node.items, ch)
 
     # --- shortest completions ------------------------------------------------------------------
 
@@ -286,12 +292,16 @@ class JsonGrammar:
             return self.minimal(top[1]) + self.completion(below)
         if kind == "str":
             close = ('"', 'n"', '0000"', '000"', '00"', '0"')[top[2]]  # by escape state
+            if len(top) > 3:  # sized: pad to the minimum length
+                close = close[:-1] + "a" * max(0, self.nodes[top[4]].min_length - top[3]) + '"'
             if top[1] == "value":
                 return close + self.completion(below)
             obj = below[-1]
             rest = ":" + self.minimal(self.nodes[obj[1]].extra)
             return close + rest + self._object_tail(obj[1], obj[3]) + self.completion(below[:-1])
         if kind == "num":
+            if len(top) > 3:  # bounded
+                return self.nodes[top[4]].bounds.completion(top[3]) + self.completion(below)
             return ("0" if top[1] in ("-", ".", "e", "e+") else "") + self.completion(below)
         if kind == "lit":
             _, options, typed, role = top
@@ -320,9 +330,17 @@ class JsonGrammar:
                     missing = [self._cheapest_key(nid, used)]
                 text = ",".join(missing) + "}"
             return text + self.completion(below)
-        phase = top[2]  # arr
-        item = self.minimal(self.nodes[top[1]].items) if phase == "item" else ""
-        return item + "]" + self.completion(below)
+        node, phase = self.nodes[top[1]], top[2]  # arr
+        count = top[3] if len(top) > 3 else 0
+        item = self.minimal(node.items)
+        if phase == "next":
+            text = "," * bool(node.min_items > count) + ",".join(
+                [item] * max(0, node.min_items - count)
+            )
+        else:  # first: nothing yet; item: after a comma, one item at least
+            need = max(node.min_items - count, 1 if phase == "item" else 0)
+            text = ",".join([item] * need)
+        return text + "]" + self.completion(below)
 
     def _missing(self, nid: int, used: tuple) -> list[str]:
         node = self.nodes[nid]
@@ -347,34 +365,52 @@ class JsonGrammar:
 
     def minimal(self, nid: int) -> str:
         """The shortest value a node allows."""
-        done = self._minimal.get(nid)
-        if done is not None:
-            return done
-        node = self.nodes[nid]
-        if node.enum is not None:
-            done = min(node.enum, key=len)
+        return self._minimal[nid]
+
+    def _shortest_values(self) -> None:
+        """Every node's shortest value, to a fixpoint: recursive schemas (a tree whose
+        children are trees) resolve through their non-recursive options. A node left
+        without one allows no finite document and is refused."""
+        best: dict[int, str] = {}
+        changed = True
+        while changed:
+            changed = False
+            for nid in range(len(self.nodes)):
+                value = self._shortest(self.nodes[nid], best)
+                if value is not None and (nid not in best or len(value) < len(best[nid])):
+                    best[nid] = value
+                    changed = True
+        if len(best) < len(self.nodes):
+            raise CloverError("the schema allows no finite JSON document")
+        self._minimal = best
+
+    def _shortest(self, node: Node, best: dict[int, str]) -> str | None:
+        if node.branches:
+            options = [best[b] for b in node.branches if b in best]
+        elif node.enum is not None:
+            options = list(node.enum)
         else:
             options = []
             t = node.types
             if t & {"number", "integer"}:
-                options.append("0")
+                options.append("0" if node.bounds is None else node.bounds.completion(""))
             if "string" in t:
-                options.append('""')
-            if "array" in t:
-                options.append("[]")
+                options.append('"' + "a" * node.min_length + '"')
+            if "array" in t and (node.min_items == 0 or node.items in best):
+                options.append("[" + ",".join([best.get(node.items, "")] * node.min_items) + "]")
             if "boolean" in t:
                 options.append("true")
             if "null" in t:
                 options.append("null")
-            if "object" in t:
-                options.append("{" + ",".join(self._missing(nid, ())) + "}")
-            done = min(options, key=len)
-        self._minimal[nid] = done
-        return done
+            values = {k: best.get(node.properties.get(k, node.extra)) for k in node.required}
+            if "object" in t and None not in values.values():
+                options.append(
+                    "{" + ",".join(f"{_compact(k)}:{v}" for k, v in values.items()) + "}"
+                )
+        return min(options, key=len) if options else None
 
 
-def _compact(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+_compact = compact
 
 
 def validate(value: object, schema: dict[str, Any] | None) -> bool:

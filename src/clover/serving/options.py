@@ -33,13 +33,20 @@ class ServeOptions:
     shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     access_log: bool = False
     prefix_cache_mb: float | None = None  # prefixes kept across requests; None: model's size
+    deterministic: bool = False  # one row at a time: answers independent of other traffic
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted beside localhost / IP literals
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
+    sse_keepalive: float = 15.0  # seconds of silence before a stream sends a keep-alive
 
     def check(self) -> None:
         device_dtype(resolve_device(self.device), self.dtype)
         if not 0 <= self.port <= 65535:
             raise CloverError(f"--port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
-            raise CloverError("--api-key must not be empty")
+            raise CloverError(
+                "--api-key (or $CLOVER_API_KEY) is empty, perhaps an unset shell variable: "
+                "give a non-empty key, or leave both out to serve without one"
+            )
         if self.max_running < 1 or self.max_queue < 0:
             raise CloverError("--max-running must be >= 1 and --max-queue >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -62,3 +69,16 @@ class ServeOptions:
             raise CloverError("--shutdown-grace must be >= 0")
         if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
             raise CloverError("--prefix-cache-mb must be >= 0 (0 turns the cache off)")
+        if not self.sse_keepalive > 0:
+            raise CloverError("--sse-keepalive must be > 0 seconds")
+        for host in self.allowed_hosts:
+            if not host or any(c in host for c in "/ :@"):
+                raise CloverError(
+                    f"--allowed-hosts: {host!r} is not a host name (no scheme, port or path)"
+                )
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise CloverError(
+                    f"--cors-origins: {origin!r} must be * or scheme://host[:port], "
+                    "e.g. http://localhost:3000"
+                )

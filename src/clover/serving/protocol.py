@@ -43,6 +43,7 @@ ROLES = {
 }
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 _FUNCTION = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # reasoning_effort -> thinking tokens; "minimal"/"none" close the thought at once
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": 4096}
 MAX_TOOLS = 128
@@ -78,6 +79,9 @@ class ChatRequest(Request):
     parallel_tool_calls: bool = True
     json_grammar: JsonGrammar | None = None  # response_format json_object / json_schema
     thinking_budget: int | None = None
+    # special-token text inside messages (e.g. "<|im_start|>") becomes control tokens only
+    # when a request opts in; by default it is encoded as the plain text it is
+    parse_special: bool = False
 
     @property
     def tool_names(self) -> set[str]:
@@ -104,7 +108,26 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(
             f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json"
         )
+    _check_text(body)
     return body
+
+
+def _check_text(body: object) -> None:
+    """JSON may spell a lone UTF-16 surrogate (`"\\ud800"`), which is no character: no
+    tokenizer can take it, so it is refused here, wherever it appears (keys included)."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            raise bad_request(
+                "the body holds a lone UTF-16 surrogate escape (e.g. \\ud800), which is not text",
+                code="invalid_unicode",
+            )
 
 
 def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
@@ -143,6 +166,7 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
         tools=tools if choice != "none" else [], tool_choice=choice,
         parallel_tool_calls=parallel, json_grammar=grammar,
         thinking_budget=_thinking_budget(body, limits.context_length),
+        parse_special=_bool(body, "parse_special_tokens", False),
     )  # fmt: skip
 
 
@@ -203,6 +227,7 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         raise bad_request(
             f"max_tokens must be at most the context length, {limits.context_length}",
             "max_tokens",
+            "context_length_exceeded",
         )
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, -2.0, 2.0) not in (None, 0):

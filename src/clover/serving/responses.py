@@ -19,6 +19,13 @@ final yet. An error after the stream started is sent as an `error` event before 
 With tools, the content goes through the Hermes parser (`tools.py`): calls become `tool_calls`
 (streamed: the call's header, then its arguments as they commit) and the choice finishes with
 "tool_calls"; an answer whose calls do not parse stays plain content.
+
+The split of an answer into reasoning, content and tool calls is done once, in `pieces`:
+scheduler events -> `Piece`s whose `parts` are OpenAI delta dicts (`{"reasoning_content"}`,
+`{"content"}`, `{"tool_calls": [...]}`). The chat/completions stream below, and the Anthropic
+Messages and Responses streams (`anthropic.py`, `openai_responses.py`), only format them.
+A quiet stream (a long prompt prefilling, a queue wait) gets a keep-alive every
+`--sse-keepalive` seconds: an SSE comment here.
 """
 
 from __future__ import annotations
@@ -54,23 +61,25 @@ class Call:
     reasoning_start: bool = False  # chat: the prompt leaves the answer inside <think>
     tool_names: set[str] | None = None  # chat with tools: parse tool calls out of answers
     echo: list[str] = field(default_factory=list)  # completions: prompt text per choice
+    api: dict[str, Any] = field(default_factory=dict)  # what another API's body repeats
+    completions: list[Completion] = field(default_factory=list)  # once complete() is done
     created: int = field(default_factory=lambda: int(time.time()))
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # when the request arrived
 
     @property
     def choices(self) -> int:
         return sum(t.n for t, _ in self.tickets)
 
     @property
-    def deadline(self) -> float | None:
-        timeout = self.runtime.options.request_timeout
-        return None if timeout is None else self.started + timeout
+    def timeout(self) -> float | None:
+        return self.runtime.options.request_timeout
 
     def usage(self, completions: list[Completion]) -> dict[str, Any]:
         """`completions` in choice order: all of the call's, each prompt's first choice
-        counting its cached tokens (the others share that prompt)."""
+        counting its cached tokens (the others share that prompt); none yet (a stream's
+        start) counts none."""
         generated = sum(c.output_tokens for c in completions)
-        cached = sum(completions[k].cached_tokens for _, k in self.tickets)
+        cached = sum(completions[k].cached_tokens for _, k in self.tickets if k < len(completions))
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": generated,
@@ -85,13 +94,14 @@ class Call:
         cached = sum(c.cached_tokens for c in completions)
         prefilled = sum(c.prompt_tokens - c.cached_tokens for c in completions)
         prefill = max((c.prefill_seconds for c in completions), default=0.0)
+        total = max(time.monotonic() - self.started, decode)  # decoding is inside the request
         return {
             "completion_tokens": tokens,
             "nfe": nfe,
             "tpf": round(tokens / nfe, 3) if nfe else 0.0,
             "decode_seconds": round(decode, 4),
             "tokens_per_s": round(tokens / decode, 2) if decode > 0 else 0.0,
-            "total_seconds": round(time.monotonic() - self.started, 4),
+            "total_seconds": round(total, 4),
             "cached_tokens": cached,
             "prefill_tokens": prefilled,
             "prefill_seconds": round(prefill, 4),
@@ -116,14 +126,14 @@ async def complete(call: Call, disconnected: Callable[[], Awaitable[bool]]) -> d
     """Wait for every choice; the response body (raises APIError, ClientGone)."""
     done: dict[int, Completion] = {}
     first = True
-    async with aclosing(ticket_events(call.tickets, call.deadline, disconnected)) as events:
+    async with aclosing(ticket_events(call.tickets, call.timeout, disconnected)) as events:
         async for event in events:
             if first and event["type"] == "delta" and event["text"]:
                 first = False
                 call.runtime.metrics.first_token(time.monotonic() - call.started)
             if event["type"] == "done":
                 done[event["choice"]] = event["completion"]
-    completions = [done[i] for i in range(call.choices)]
+    completions = call.completions = [done[i] for i in range(call.choices)]
     call.record(completions)
     return {
         "id": call.id,
@@ -155,6 +165,9 @@ def _choice(call: Call, index: int, c: Completion) -> dict[str, Any]:
 
 
 # --- streamed --------------------------------------------------------------------------------
+
+
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, idle timers restart
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -193,9 +206,20 @@ class _Stream:
         return sse(body)
 
 
-async def stream(call: Call) -> AsyncIterator[str]:
-    """The SSE body. Cancelled when the client goes away, which cancels the tickets."""
-    s = _Stream(call)
+@dataclass
+class Piece:
+    """What one scheduler event means for one choice, in OpenAI delta dicts."""
+
+    choice: int
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    commits: dict[str, Any] | None = None  # the diffusion's commits, when the request asks
+    done: Completion | None = None  # the choice is finished (its last parts are in `parts`)
+    reason: str | None = None  # with `done`: stop, length or tool_calls
+    ping: bool = False  # nothing happened for a while (choice -1)
+
+
+async def pieces(call: Call) -> AsyncIterator[Piece]:
+    """The answer's pieces as they become final. Raises APIError (timeout, engine errors)."""
     splitters = [
         ReasoningSplitter(call.reasoning_start) if call.chat else None for _ in range(call.choices)
     ]
@@ -205,8 +229,44 @@ async def stream(call: Call) -> AsyncIterator[str]:
         else None
         for _ in range(call.choices)
     ]
-    completions: dict[int, Completion] = {}
     first = True
+    keepalive = call.runtime.options.sse_keepalive
+    async with aclosing(ticket_events(call.tickets, call.timeout, keepalive=keepalive)) as events:
+        async for event in events:
+            if event["type"] == "ping":
+                yield Piece(-1, ping=True)
+                continue
+            i = event["choice"]
+            if event["type"] == "delta":
+                if first and event["text"]:
+                    first = False
+                    call.runtime.metrics.first_token(time.monotonic() - call.started)
+                parts = _tool_parts(tools[i], _split(splitters[i], event["text"], push=True))
+                commits = None
+                if call.request.commits and event["commits"]:
+                    commits = {
+                        "step": event["step"],
+                        "commits": [
+                            [index, call.runtime.token_text(token), step]
+                            for index, token, step in event["commits"]
+                        ],
+                    }
+                if parts or commits:
+                    yield Piece(i, parts, commits)
+            else:  # done
+                c = event["completion"]
+                parts = _tool_parts(tools[i], _split(splitters[i], "", push=False), True)
+                reason = _finish_reason(c)
+                if tools[i] is not None and tools[i].called:
+                    reason = "tool_calls"
+                yield Piece(i, parts, done=c, reason=reason)
+
+
+async def stream(call: Call) -> AsyncIterator[str]:
+    """The chat/completions SSE body. Cancelled when the client goes away, which cancels the
+    tickets."""
+    s = _Stream(call)
+    completions: dict[int, Completion] = {}
     opening = {}
     if call.request.commits:
         decoder = call.settings.decoder
@@ -217,37 +277,24 @@ async def stream(call: Call) -> AsyncIterator[str]:
         elif call.echo or opening:
             yield s.chunk(i, {"content": call.echo[i] if call.echo else ""}, **opening)
     try:
-        async with aclosing(ticket_events(call.tickets, call.deadline)) as events:
-            async for event in events:
-                i = event["choice"]
-                if event["type"] == "delta":
-                    if first and event["text"]:
-                        first = False
-                        call.runtime.metrics.first_token(time.monotonic() - call.started)
-                    parts = _tool_parts(tools[i], _split(splitters[i], event["text"], push=True))
+        async with aclosing(pieces(call)) as answer:
+            async for piece in answer:
+                if piece.ping:
+                    yield KEEPALIVE
+                    continue
+                i, parts = piece.choice, list(piece.parts)
+                if piece.done is None:
                     part = parts.pop() if parts else {}
                     for earlier in parts:
                         yield s.chunk(i, earlier)
-                    extra = {}
-                    if call.request.commits and event["commits"]:
-                        extra["clover"] = {
-                            "step": event["step"],
-                            "commits": [
-                                [index, call.runtime.token_text(token), step]
-                                for index, token, step in event["commits"]
-                            ],
-                        }
+                    extra = {"clover": piece.commits} if piece.commits else {}
                     if part or extra:
                         yield s.chunk(i, part, **extra)
-                else:  # done
-                    c = completions[i] = event["completion"]
-                    parts = _tool_parts(tools[i], _split(splitters[i], "", push=False), True)
-                    for part in parts:
-                        yield s.chunk(i, part)
-                    reason = _finish_reason(c)
-                    if tools[i] is not None and tools[i].called:
-                        reason = "tool_calls"
-                    yield s.chunk(i, {}, reason, timings=call.timings([c]))
+                    continue
+                completions[i] = piece.done
+                for part in parts:
+                    yield s.chunk(i, part)
+                yield s.chunk(i, {}, piece.reason, timings=call.timings([piece.done]))
     except APIError as e:
         yield sse(e.body())
     else:
@@ -286,3 +333,56 @@ def _tool_parts(
 
 def _block_size(settings: GenerationSettings) -> int:
     return 1 if settings.decoder == "ar" else int(settings.block_size or 1)
+
+
+class Blocks:
+    """An answer's parts -> a run of blocks, for APIs that frame output as blocks or items
+    (Anthropic's content blocks, the Responses API's output items): `feed(parts)` returns
+    events `("open", kind, info)`, `("delta", kind, text)`, `("close", kind, info)`, with kind
+    "reasoning", "text" or "tool" (info: {"id", "name"} for a tool, else {}). A new kind, or
+    a new tool call, closes the open block first; `close()` ends the last one."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.info: dict[str, Any] = {}
+
+    def feed(self, parts: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+        out: list[tuple[str, str, Any]] = []
+        for part in parts:
+            if part.get("reasoning_content"):
+                out += self._to("reasoning") + [("delta", "reasoning", part["reasoning_content"])]
+            if part.get("content"):
+                out += self._to("text") + [("delta", "text", part["content"])]
+            for call in part.get("tool_calls", []):
+                fn = call.get("function", {})
+                if "id" in call:  # a new call's header
+                    out += self.close()
+                    self.kind, self.info = "tool", {"id": call["id"], "name": fn.get("name", "")}
+                    out.append(("open", "tool", self.info))
+                if fn.get("arguments"):
+                    out.append(("delta", "tool", fn["arguments"]))
+        return out
+
+    def _to(self, kind: str) -> list[tuple[str, str, Any]]:
+        if self.kind == kind:
+            return []
+        out = self.close()
+        self.kind, self.info = kind, {}
+        return out + [("open", kind, {})]
+
+    def close(self) -> list[tuple[str, str, Any]]:
+        if self.kind is None:
+            return []
+        out = [("close", self.kind, self.info)]
+        self.kind, self.info = None, {}
+        return out
+
+
+def matched_stop(call: Call, c: Completion) -> str | None:
+    """The stop string that ended an answer, if one did (Anthropic reports which)."""
+    stops = call.settings.stop
+    if c.finish_reason != "stop" or not stops:
+        return None
+    full = call.runtime.llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    hits = [s for s in stops if full.startswith(s, len(c.text))]
+    return hits[0] if hits else None

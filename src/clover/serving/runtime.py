@@ -10,6 +10,12 @@ Handlers are async, so they poll that queue without blocking the event loop: a b
 waiting, and `asyncio.sleep` between non-blocking reads costs nothing measurable beside a
 forward pass. Whatever way a handler stops early (client gone, timeout, error), its tickets
 are cancelled, so their rows leave the batch before the next step.
+
+The request timeout runs from the moment a ticket starts decoding (`Ticket.admitted`), not
+from its arrival: on a busy machine a queued request waits its turn instead of timing out in
+the queue (the queue itself is bounded by `--max-queue`). While nothing arrives for
+`keepalive` seconds (a long prompt prefilling, a queue wait), `ticket_events` yields a
+`{"type": "ping"}` so streams can send a keep-alive to clients with idle timeouts.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from clover.decoding.loop import generate
+from clover.decoding.policies import make_policy
 from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.serving.constraints import Vocab
@@ -68,11 +76,18 @@ class Runtime:
     def _load(self) -> None:
         try:
             llm = self.loader()
-            if getattr(llm, "compiled", False) and self.options.max_running > 1:
-                llm.warm_up(rows=2)  # the batched graphs too, before the server says ready
-            llm.set_prefix_cache(self.options.prefix_cache_mb)
-            scheduler = Scheduler(llm, self.options.max_running, self.options.max_queue)
             o = self.options
+            if getattr(llm, "compiled", False) and o.max_running > 1 and not o.deterministic:
+                llm.warm_up(rows=2)  # the batched graphs too, before the server says ready
+            # one token through the model: whatever its first pass builds (the CPU kernels
+            # compile on first use, a minute on 2 cores) is built before /health says ready,
+            # not inside the first request's timeout
+            for _ in generate(
+                llm.model, [llm.encode("Hello")], make_policy("ar"), max_new_tokens=1
+            ):
+                pass
+            llm.set_prefix_cache(o.prefix_cache_mb)  # after the warm-up: it keeps nothing
+            scheduler = Scheduler(llm, o.max_running, o.max_queue, o.deterministic)
             defaults = GenerationSettings(
                 decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
                 max_tokens=o.max_tokens, draft=o.draft, slide=o.slide,
@@ -127,7 +142,7 @@ class Runtime:
         except ShuttingDown:
             raise unavailable("the server is shutting down", "shutting_down") from None
         except CloverError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), code="invalid_settings") from None
 
     @property
     def vocab(self) -> Vocab:
@@ -155,7 +170,9 @@ def engine_error(message: str) -> APIError:
     if message.startswith("decoding failed"):
         log.error("%s", message)
         return APIError(500, "generation failed", kind="server_error", code="engine_error")
-    return bad_request(message)
+    if "context" in message:  # the decoder's own length check (clover.decoding.loop._check)
+        return bad_request(message, "messages", "context_length_exceeded")
+    return bad_request(message, code="invalid_request")
 
 
 class ClientGone(Exception):
@@ -164,18 +181,23 @@ class ClientGone(Exception):
 
 async def ticket_events(
     tickets: list[tuple[Ticket, int]],
-    deadline: float | None,
+    timeout: float | None,
     disconnected: Callable[[], Awaitable[bool]] | None = None,
+    keepalive: float | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Events of several tickets as they come; each ticket's choices are offset by its int.
 
-    Ends after every choice is done. Raises APIError past the deadline (504) or on a scheduler
-    error, and ClientGone when `disconnected` (checked every quarter second; the
-    streaming path learns it by being cancelled instead) says so. However it ends early, the
-    tickets are cancelled; callers close it with `contextlib.aclosing`.
+    Ends after every choice is done. Raises APIError once a ticket has decoded for longer
+    than `timeout` seconds (504) or on a scheduler error, and ClientGone when `disconnected`
+    (checked every quarter second; the streaming path learns it by being cancelled instead)
+    says so. Yields `{"type": "ping"}` after `keepalive` seconds without an event. However it
+    ends early, the tickets are cancelled; callers close it with `contextlib.aclosing`.
     """
     pending = sum(t.n for t, _ in tickets)
-    next_check = time.monotonic() + DISCONNECT_CHECK_S
+    left = {id(t): t.n for t, _ in tickets}  # choices not done, per ticket
+    now = time.monotonic()
+    next_check = now + DISCONNECT_CHECK_S
+    quiet_since = now
     try:
         while pending:
             got = False
@@ -189,16 +211,24 @@ async def ticket_events(
                     raise engine_error(event["message"])
                 if event["type"] == "done":
                     pending -= 1
+                    left[id(ticket)] -= 1
                 yield {**event, "choice": event.get("choice", 0) + offset}
-            if got:
-                continue
             now = time.monotonic()
-            if deadline is not None and now > deadline:
+            if got:
+                quiet_since = now
+                continue
+            if timeout is not None and any(
+                left[id(t)] and t.admitted is not None and now > t.admitted + timeout
+                for t, _ in tickets
+            ):
                 raise APIError(504, "the request timed out", kind="timeout", code="timeout")
             if disconnected is not None and now > next_check:
                 next_check = now + DISCONNECT_CHECK_S
                 if await disconnected():
                     raise ClientGone
+            if keepalive is not None and now - quiet_since > keepalive:
+                quiet_since = now
+                yield {"type": "ping"}
             await asyncio.sleep(POLL_S)
     finally:
         if pending:

@@ -11,9 +11,18 @@ Each request gets a thread-safe queue of events:
   {"type": "error", "message": str}
 
 A cancelled request (client gone) leaves the batch before the next step. Shutdown stops
-admitting, lets running rows finish (or cancels them after a grace period) and exits.
-The batch uses the model's prefix cache across requests (`LLM.prefix_cache`): a request
-reuses the longest prefix that earlier or running requests committed.
+admitting, lets running rows finish (or cancels them after a grace period, telling their
+clients) and exits. The batch uses the model's prefix cache across requests
+(`LLM.prefix_cache`): a request reuses the longest prefix that earlier or running requests
+committed.
+
+`deterministic`: one row decodes at a time (a request's choices one after another), so an
+answer never depends on what else runs. Batched int4/bf16 kernels round by batch shape, so in
+the default mode a greedy answer can change when another request joins its batch; this mode
+trades throughput for answers that equal `clover generate`'s at batch 1.
+
+A ticket's `admitted` time is when its first row started decoding: the request timeout counts
+from there, so time spent waiting in the (bounded) queue does not count against it.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ class ShuttingDown(CloverError):
     """The server is draining: no new requests."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: tickets go into sets and dict keys
 class Ticket:
     id: int
     prompt: list[int]
@@ -49,7 +58,9 @@ class Ticket:
     events: queue.Queue = field(default_factory=queue.Queue)
     created: float = field(default_factory=time.monotonic)
     cancelled: bool = False
-    rows: dict = field(default_factory=dict)  # row index -> (choice, TextStream)
+    rows: dict = field(default_factory=dict)  # row index -> (choice, TextStream, row)
+    admitted: float | None = None  # monotonic time its first row started decoding
+    started_choices: int = 0  # choices added to the batch so far
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -68,11 +79,14 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, llm: LLM, max_running: int = 8, max_queue: int = 64) -> None:
+    def __init__(
+        self, llm: LLM, max_running: int = 8, max_queue: int = 64, deterministic: bool = False
+    ) -> None:
         if max_running < 1 or max_queue < 0:
             raise CloverError("max_running must be >= 1 and max_queue >= 0")
         self.llm = llm
         self.max_running, self.max_queue = max_running, max_queue
+        self.deterministic = deterministic
         self.batch = BatchDecoder(llm.model, llm.prefix_cache)
         self.waiting: deque[Ticket] = deque()
         self.running: dict[int, Ticket] = {}  # row index -> ticket
@@ -130,50 +144,73 @@ class Scheduler:
             time.sleep(0.05)
         with self._lock:
             for t in set(self.running.values()):
-                t.cancel()
+                t.cancel()  # the loop drops their rows before its next step
+                t.events.put({"type": "error", "message": "the server is shutting down"})
             self._lock.notify()
         self._thread.join(timeout=5)
 
     # --- the scheduler thread -----------------------------------------------------------------
 
     def _admit(self) -> None:
-        # a request with n > max_running still runs, alone, rather than waiting forever
-        while self.waiting and (
-            len(self.batch.active) + self.waiting[0].n <= self.max_running or not self.batch.active
-        ):
-            t = self.waiting.popleft()
+        while self.waiting:
+            t = self.waiting[0]
             if t.cancelled:
+                self.waiting.popleft()
                 continue
-            s = t.settings
-            policy = s.policy()
-            sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
-            try:
-                for choice in range(t.n):
-                    text = TextStream(self.llm.tokenizer, s.stop)
-                    row = self.batch.add(
-                        t.prompt,
-                        policy,
-                        max_new_tokens=s.max_tokens,
-                        sampling=sampling,
-                        eos_token_ids=self.llm.eos_token_ids,
-                        stop=lambda _i, final, text=text: text.on_final(final),
-                        index=next(self._rows),
-                        seed_index=choice,
-                        constraint=s.constraint() if s.constraint is not None else None,
-                        marks=t.marks,
-                    )
-                    row.t_start = time.monotonic()
-                    t.rows[row.index] = (choice, text, row)
-                    self.running[row.index] = t
+            active = len(self.batch.active)
+            if self.deterministic:
+                if active:
+                    return
+                rows = 1
+            else:
+                rows = t.n - t.started_choices
+                # a request with n > max_running still runs, alone, rather than waiting forever
+                if active and active + rows > self.max_running:
+                    return
+            if self._start(t, rows) and t.started_choices < t.n:
+                continue  # deterministic: the ticket's next choice waits for this one
+            self.waiting.popleft()
+
+    def _start(self, t: Ticket, rows: int) -> bool:
+        """Add `rows` more of the ticket's choices to the batch; False if it failed (the
+        ticket then got an error event and holds no rows)."""
+        s = t.settings
+        policy = s.policy()
+        sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+        try:
+            for choice in range(t.started_choices, t.started_choices + rows):
+                text = TextStream(self.llm.tokenizer, s.stop)
+                row = self.batch.add(
+                    t.prompt,
+                    policy,
+                    max_new_tokens=s.max_tokens,
+                    sampling=sampling,
+                    eos_token_ids=self.llm.eos_token_ids,
+                    stop=lambda _i, final, text=text: text.on_final(final),
+                    index=next(self._rows),
+                    seed_index=choice,
+                    constraint=s.constraint() if s.constraint is not None else None,
+                    marks=t.marks,
+                )
+                row.t_start = time.monotonic()
+                t.rows[row.index] = (choice, text, row)
+                self.running[row.index] = t
+            if t.admitted is None:
+                t.admitted = time.monotonic()
                 self.stats.prompt_tokens += len(t.prompt)
-            except Exception as e:  # noqa: BLE001 (joining prefills and reads the prefix cache:
-                # a failure there must fail this request, not the scheduler thread)
-                for index in list(t.rows):
-                    self.batch.cancel(index)
-                    self.running.pop(index, None)
-                failed = f"decoding failed: {type(e).__name__}"
-                message = str(e) if isinstance(e, CloverError) else failed
-                t.events.put({"type": "error", "message": message})
+            t.started_choices += rows
+            return True
+        except Exception as e:  # noqa: BLE001 (joining prefills and reads the prefix cache:
+            # a failure there must fail this request, not the scheduler thread)
+            for index in list(t.rows):
+                self.batch.cancel(index)
+                self.running.pop(index, None)
+            t.cancelled = True
+            failed = f"decoding failed: {type(e).__name__}"
+            t.events.put(
+                {"type": "error", "message": str(e) if isinstance(e, CloverError) else failed}
+            )
+            return False
 
     def _run(self) -> None:
         while True:
@@ -207,7 +244,7 @@ class Scheduler:
                 continue
             choice, text, row = t.rows[index]
             if index in event.finished:
-                text.finish()
+                text.finish(cut=event.finished[index] == "length")
             delta = text.take()
             if delta or index in commits:
                 t.events.put(
