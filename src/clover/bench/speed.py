@@ -66,6 +66,8 @@ class RunStats:
     nfe_per_row: float
     ttft: float
     token_ids: list[list[int]] = field(default_factory=list)
+    drafts: dict = field(default_factory=dict)  # self_spec: source -> [drafted, kept]
+    accepted: list[int] = field(default_factory=list)  # drafted tokens kept, per verify pass
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,7 +103,13 @@ class CloverEngine:
         ttft = sorted(first.values())[len(first) // 2] if first else seconds
         nfe = sum(r.nfe for r in results) / len(results)
         ids = [r.tokens for r in results]
-        return RunStats(len(prompts), n, seconds, nfe, ttft, ids)
+        drafts: dict = {}
+        for r in results:
+            for source, (d, k) in r.drafts.items():
+                tally = drafts.setdefault(source, [0, 0])
+                tally[0], tally[1] = tally[0] + d, tally[1] + k
+        accepted = [a for r in results for a in r.accepted]
+        return RunStats(len(prompts), n, seconds, nfe, ttft, ids, drafts, accepted)
 
 
 class TransformersEngine:
@@ -266,6 +274,21 @@ def run_speed(
                 "tpf": round(tokens / nfe, 3),
                 "output_tokens_per_row": tokens,
             }
+            accepted = [a for r in runs for a in r.accepted]
+            if accepted:  # self_spec: what each verify pass kept (DFlash's acceptance length)
+                drafts: dict = {}
+                for r in runs:
+                    for source, (d, k) in r.drafts.items():
+                        t = drafts.setdefault(source, [0, 0])
+                        t[0], t[1] = t[0] + d, t[1] + k
+                row["batch"][str(batch)]["speculation"] = {
+                    "passes_with_a_draft": len(accepted),
+                    "mean_tokens_per_verify_pass": round(1 + sum(accepted) / len(accepted), 3),
+                    "kept_per_pass_histogram": {
+                        str(k): accepted.count(k) for k in range(max(accepted) + 1)
+                    },
+                    "drafted_kept_by_source": drafts,
+                }
     _agreement(out, times, engines)
     return out
 

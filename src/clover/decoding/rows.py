@@ -56,6 +56,7 @@ class RowResult:
     prefill_seconds: float = 0.0
     # self_spec: per draft source ("mask", "lookup"), [tokens drafted, tokens kept]
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    accepted: list[int] = field(default_factory=list)  # drafted tokens kept, per verify pass
 
     @property
     def tpf(self) -> float:
@@ -413,6 +414,7 @@ class SpecRow(Row):
             tally = self.result.drafts.setdefault(source, [0, 0])
             tally[0] += len(self.draft)
             tally[1] += accepted
+            self.result.accepted.append(accepted)
             if source in self.acceptance:
                 self.acceptance[source].update(len(self.draft), accepted)
         for a in self.acceptance.values():
