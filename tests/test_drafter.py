@@ -262,3 +262,17 @@ def test_drafter_draft_without_a_drafter_is_a_clear_error():
     with pytest.raises(CloverError, match="--drafter"):
         list(generate(tiny_model(), [[5, 6]], SelfSpec(block_size=4, draft="drafter"),
                       max_new_tokens=4))  # fmt: skip
+
+
+def test_drafter_time_box_ends_the_schedule_in_time(tiny_checkpoint, data, tmp_path):
+    """max_minutes: the cosine schedule is refitted to end inside the box (at the recent pace),
+    the run stops there and writes the drafter."""
+    from clover.train.drafter import lr_at, train_drafter
+
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "box", steps=100_000, max_minutes=0.15)
+    last = train_drafter(cfg, progress=False)
+    assert 10 < last["step"] < 100_000 and last["seconds"] < 0.15 * 60 * 1.5
+    lines = [json.loads(x) for x in (tmp_path / "box" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["lr"] < 0.2 * cfg.lr  # the schedule came down to its end
+    assert (tmp_path / "box" / "drafter.safetensors").is_file()
+    assert lr_at(0, cfg) > 0
