@@ -177,11 +177,14 @@ def block_starts(records: list[dict], n: torch.Tensor, S: int, rng: random.Rando
 
 
 def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
-    """Evenly spaced starts over each answer: the same blocks at every evaluation."""
+    """Block starts drawn once per record (seeded by its id): the same blocks at every
+    evaluation, spread as decoding meets them (evenly spaced starts favoured the first answer
+    tokens and measured ~1.5x what decoding kept)."""
     out = []
     for r, length in zip(records, n.tolist()):
+        rng = random.Random(r["id"])
         lo, hi = len(r["prompt_ids"]), max(len(r["prompt_ids"]), length - 2)
-        out.append([lo + (hi - lo) * s // max(1, S - 1) for s in range(S)])
+        out.append([rng.randint(lo, hi) for _ in range(S)])
     return torch.tensor(out)
 
 
