@@ -276,3 +276,26 @@ def test_drafter_time_box_ends_the_schedule_in_time(tiny_checkpoint, data, tmp_p
     assert lines[-1]["lr"] < 0.2 * cfg.lr  # the schedule came down to its end
     assert (tmp_path / "box" / "drafter.safetensors").is_file()
     assert lr_at(0, cfg) > 0
+
+
+def test_an_int4_drafter_drafts_like_the_float_one():
+    """Beside an int4 target the loader packs the drafter's linears in 4 bits too."""
+    import copy
+
+    from clover import kernels
+    from clover.quant import Int4Linear, quantize_linears
+
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler here")
+    model = tiny_model()
+    drafter = drafter_for(model)
+    q = quantize_linears(copy.deepcopy(drafter))
+    assert isinstance(q.layers[0].mlp.down_proj, Int4Linear) and isinstance(q.fc, Int4Linear)
+    feats = torch.randn(1, 7, 2 * model.config.hidden_size)
+    with torch.no_grad():
+        a, b = drafter.make_cache(1), q.make_cache(1)
+        drafter.commit(feats, torch.tensor([7]), a)
+        q.commit(feats, torch.tensor([7]), b)
+        ha = drafter.block_hidden(torch.tensor([5]), model.model.embed_tokens, a)
+        hb = q.block_hidden(torch.tensor([5]), model.model.embed_tokens, b)
+    assert float((ha - hb.float()).abs().max()) < 0.1 * float(ha.abs().max())

@@ -283,6 +283,17 @@ def quantize_model(
     return model
 
 
+def quantize_linears(module: nn.Module, group: int = GROUP) -> nn.Module:
+    """In place: every nn.Linear of `module` whose shape the int4 kernel takes becomes an
+    Int4Linear (a small model beside the main one, e.g. a drafter; no LM head, no packing)."""
+    for owner in list(module.modules()):
+        for name, child in list(owner.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % group == 0:
+                if child.out_features % 16 == 0:
+                    setattr(owner, name, Int4Linear(child, group))
+    return module
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] -> (int8 [..., N, K], bf16 scale [..., N]), symmetric per row. In
     chunks of rows: a float32 copy of a whole LM head would be 113 MB for SmolLM2."""

@@ -216,6 +216,11 @@ def load(
         if not Path(drafter).is_file():
             raise CloverError(f"drafter file {drafter} not found")
         # not a submodule: the model's own state, casts and quantization leave it alone
-        object.__setattr__(net, "drafter", load_drafter(Path(drafter), net).to(dev))
+        d = load_drafter(Path(drafter), net).to(dev)
+        if dtype == "int4":  # its linears in 4 bits too: a drafter pass is then ~its head
+            from clover.quant import quantize_linears
+
+            quantize_linears(d)
+        object.__setattr__(net, "drafter", d)
         drafter = str(drafter)
     return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter)

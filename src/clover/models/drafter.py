@@ -168,7 +168,7 @@ class Drafter(nn.Module):
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """features [B, T, k * D] (the target's, float32) -> context vectors [B, T, D]."""
-        return self.fc_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.fc_norm(self.fc(features.to(self.norm.weight.dtype)))
 
     def block_inputs(self, first: torch.Tensor, embed: nn.Embedding, width: int) -> torch.Tensor:
         """first [B] (the last verified tokens) -> [B, width, D]: its embedding, then masks."""
