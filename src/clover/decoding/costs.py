@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +156,8 @@ def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> 
                          {int(k): v for k, v in d.get("draft_ms", {}).items()})  # fmt: skip
     except (OSError, ValueError, KeyError):
         pass
+    print("clover: timing this machine's passes by width, once (draft lengths follow them)",
+          file=sys.stderr)  # fmt: skip
     costs = measure(model, drafter)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
