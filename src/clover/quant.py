@@ -37,21 +37,53 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, ..
     return q.reshape(N, K), scale, low
 
 
+def int4_levels(linear: nn.Linear, group: int = GROUP) -> tuple[torch.Tensor, ...]:
+    """A linear's 4-bit levels (q, scale, low) as `quantize_int4` returns them: the ones its
+    source stored when the loader attached them (`linear.int4_levels()`, e.g. a GGUF Q4_K
+    tensor's own: no second rounding; its weight may then be on the meta device, never
+    read), else fresh ones from the weight's min and max per group."""
+    given = getattr(linear, "int4_levels", None)
+    if given is not None:
+        return given()
+    return quantize_int4(linear.weight.detach(), group)
+
+
+def int4_fits(linear: nn.Module, group: int = GROUP) -> bool:
+    """The CPU kernel packs whole groups along K and 16-row tiles along N."""
+    return linear.in_features % group == 0 and linear.out_features % 16 == 0
+
+
 class Int4Linear(nn.Module):
     """y = x W^T + b with W in 4-bit groups; x is computed in bfloat16."""
 
     def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
         super().__init__()
-        N, K = linear.weight.shape
-        q, scale, low = quantize_int4(linear.weight.detach(), group)
-        self.in_features, self.out_features, self.group = K, N, group
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self._pack(*int4_levels(linear, group), linear.bias)
+
+    @classmethod
+    def from_levels(
+        cls,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> Int4Linear:
+        """From 4-bit levels: q int32 [N, K] in 0..15, scale and low float32 [N, K / 32]
+        (w ~ q * scale + low), e.g. a GGUF Q4 tensor's own."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._pack(q, scale, low, bias)
+        return self
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: object) -> None:
+        N, K = q.shape
+        self.in_features, self.out_features, self.group = K, N, K // scale.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # the kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale
         zero = low + 8 * scale
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16)
         self.scales_and_zeros = self.scales_and_zeros.contiguous()  # [K/g, N, 2]
-        b = linear.bias
-        self.bias = None if b is None else b.detach().to(torch.bfloat16)
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] (bfloat16)."""
@@ -92,15 +124,14 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
         return
     if len({b.in_features for b in bases}) != 1 or len({b.bias is None for b in bases}) != 1:
         return
-    if bases[0].in_features % group or any(b.out_features % 16 for b in bases):
+    if not all(int4_fits(b, group) for b in bases):
         return
-    # built on meta, then given the concatenated weights: no init of a matrix thrown away
-    cat = nn.Linear(bases[0].in_features, sum(b.out_features for b in bases),
-                    bias=bases[0].bias is not None, device="meta")  # fmt: skip
-    cat.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
-    if cat.bias is not None:
-        cat.bias = nn.Parameter(torch.cat([b.bias.detach() for b in bases]), requires_grad=False)
-    fused = Int4Linear(cat, group)
+    if any(getattr(b, "int8_rows", False) for b in bases):
+        return  # a part stays wider than 4 bits (see quantize_model)
+    # levels are per output row, so the packed matrix holds each part's own levels
+    levels = [int4_levels(b, group) for b in bases]
+    bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
+    fused = Int4Linear.from_levels(*(torch.cat(x) for x in zip(*levels)), bias)
     setattr(module, f"fused_{names[0]}", fused)
     start = 0
     for name, o, b in zip(names, outer, bases):
@@ -207,11 +238,12 @@ def quantize_model(
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear) or name == "lm_head":
                 continue
-            if mode == "int8":
+            if mode == "int8" or getattr(child, "int8_rows", False):
+                # int8_rows: the loader's mark for a weight stored wider than 4 bits (GGUF
+                # Q5/Q6/Q8): 8 bits per row keeps it closer than a second 4-bit rounding
                 setattr(module, name, Int8Linear(child.weight, child.bias))
                 changed = True
-            elif child.in_features % group == 0 and child.out_features % 16 == 0:
-                # the CPU kernel packs whole groups along K and 16-row tiles along N
+            elif int4_fits(child, group):
                 setattr(module, name, Int4Linear(child, group))
                 changed = True
         child = None  # (the loop variable would keep the last replaced linear alive)

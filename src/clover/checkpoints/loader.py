@@ -6,7 +6,9 @@ The steps, in order, each decided here once:
 2. an HF-format directory: given, or a GGUF converted once into the user cache
    (`prepare_checkpoint`; `cache` keys it by the file's bytes);
 3. precision and device: `auto` is int4 for a 4-bit GGUF source, else bfloat16 where the CPU
-   has bf16 instructions, else float32; off the CPU, bfloat16 (int4/int8 are CPU kernels);
+   has bf16 instructions, else float32; off the CPU, bfloat16 (int4/int8 are CPU kernels).
+   int4 from a GGUF keeps the file's own 4-bit levels and puts wider quantized types on the
+   8-bit kernel (`mark_source_levels`; the levels travel in the converted checkpoint);
 4. the weights are read in that dtype and adopted by the architecture (`hf_dir.model_from_state`,
    the family's `sanitize` maps names); the registry's decoding defaults and draft adapter are
    applied; weight-only quantization last; then the move to the device.
@@ -18,17 +20,28 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from clover.checkpoints import cache
-from clover.checkpoints.gguf import read_gguf
+from clover.checkpoints import cache, ggml
+from clover.checkpoints.gguf import QUANT_FILE, GGUFQuant, read_gguf
 from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
-from clover.checkpoints.hf_dir import model_from_state, read_config, read_hf_dir, save_checkpoint
+from clover.checkpoints.hf_dir import (
+    model_from_state,
+    read_config,
+    read_hf_dir,
+    read_tensor,
+    safetensors_files,
+    save_checkpoint,
+)
 from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
 from clover.errors import CloverError
+from clover.models import build_model, make_config
 from clover.models.base import DiffusionLM
+from clover.quant import int4_fits
 from clover.tokenizer import Tokenizer
 
 DTYPES = {
@@ -38,6 +51,7 @@ DTYPES = {
     "int4": torch.bfloat16,  # weight-only int4 groups of 32, bf16 activations
 }
 PRESETS = ("clover-tiny", "clover-35b-a3b")  # architecture shapes with random weights
+FOUR_BIT_FILES = ("MOSTLY_Q4_0", "MOSTLY_Q4_1", "MOSTLY_Q4_K")  # auto precision: int4
 
 
 @dataclass
@@ -60,6 +74,12 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
     if resolved.kind == "hf":
         return resolved.path
     sha = cache.file_sha256(resolved.path, progress)
+    pinned = resolved.entry.sha256 if resolved.entry else None
+    if pinned is not None and sha != pinned:  # a split model's assembled file, changed since
+        raise CloverError(
+            f"{resolved.path} has sha256 {sha}, not the pinned {pinned}; delete it and run "
+            f"`clover pull {resolved.entry.name}` to assemble it again"
+        )
     overrides = resolved.entry.overrides if resolved.entry else {}
     target = cache.converted_dir(resolved.path, sha, overrides)
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
@@ -68,7 +88,7 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
     removed = cache.prune()  # before writing: a full disk may be full of stale copies
     if progress and removed:
         print(cache.removed_summary(removed), file=sys.stderr)
-    config, state = read_gguf(resolved.path, progress=progress)
+    config, state, quant = read_gguf(resolved.path, progress=progress)
     config.update(overrides)
     model = model_from_state(config, state, resolved.path.name, torch.float32)
     extras = None
@@ -76,6 +96,7 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
         convert_gguf_tokenizer(resolved.path, extras)
+        quant.save(extras / QUANT_FILE)  # the file's own 4-bit levels, for the int4 kernel
         cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
         save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
     except OSError as e:
@@ -130,9 +151,54 @@ def auto_dtype(config: dict) -> str:
     instructions, else float32."""
     if not cpu_has_bf16():
         return "float32"
-    if str(config.get("gguf_file_type", "")).startswith(("MOSTLY_Q4_0", "MOSTLY_Q4_1")):
+    if str(config.get("gguf_file_type", "")).startswith(FOUR_BIT_FILES):
         return "int4"
     return "bfloat16"
+
+
+def int4_later(directory: Path, config: dict) -> tuple[GGUFQuant | None, set[str]]:
+    """For an int4 load of a converted GGUF: its record, and the weights the int4 kernel
+    will take from their own 4-bit levels; those are read when quantized, one at a time, and
+    never exist in bfloat16 (`mark_source_levels`)."""
+    quant = GGUFQuant.read(directory)
+    if quant is None:
+        return None, set()
+    with torch.device("meta"):
+        probe = build_model(make_config(config))
+    later = set()
+    for name, module in probe.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head" and int4_fits(module):
+            if f"{name}.weight" in quant.scale:
+                later.add(f"{name}.weight")
+    return quant, later
+
+
+def mark_source_levels(
+    net: DiffusionLM, quant: GGUFQuant, directory: Path, wide: str = "int8"
+) -> int:
+    """Tell `quantize_model` how a GGUF stored each linear: a 4-bit tensor (its weight left
+    on the meta device by `int4_later`) gets `int4_levels`, which reads it and recovers the
+    file's own levels; a wider quantized type (Q5_0, Q5_K, Q6_K, Q8_0) gets `int8_rows` (the
+    8-bit per-row kernel, not a second rounding to 4 bits) unless `wide` is "int4" (rounded
+    to 4 bits like a float weight: smaller and faster, less exact). -> linears given levels."""
+    if wide not in ("int8", "int4"):
+        raise CloverError(f"wide {wide!r}: int8 or int4")
+    files = safetensors_files(directory)
+    kept = 0
+    for module_name, module in net.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        name = f"{module_name}.weight"
+        if name in quant.scale and module.weight.is_meta:
+            module.int4_levels = partial(_levels_from_file, quant, files, name)
+            kept += 1
+        elif name not in quant.scale and quant.types.get(name) in ggml.BLOCKS:
+            module.int8_rows = wide == "int8"
+    return kept
+
+
+def _levels_from_file(quant: GGUFQuant, files: list[Path], name: str) -> tuple:
+    return quant.int4_levels(name, read_tensor(files, name))
 
 
 def _preset_model(name: str, progress: bool) -> tuple[DiffusionLM, Tokenizer]:
@@ -161,10 +227,12 @@ def load(
     progress: bool = True,
     adapter: str | Path | None = None,
     device: str = "cpu",
+    wide: str = "int8",
 ) -> Loaded:
     """adapter: a draft adapter file to attach; a registry name that ships one attaches its
     own. device: cpu, cuda, cuda:N or auto (`resolve_device`): weights load on the CPU, then
-    move."""
+    move. wide (int4 from a GGUF): the kernel of tensors stored wider than 4 bits
+    (`mark_source_levels`)."""
     if dtype not in DTYPES and dtype != "auto":
         raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
     dev = resolve_device(device)
@@ -178,10 +246,14 @@ def load(
     else:
         resolved = resolve(model, progress=progress)
         directory = prepare_checkpoint(resolved, progress)
+        config = read_config(directory)
         if dtype == "auto":
-            dtype = auto_dtype(read_config(directory))
-        config, state = read_hf_dir(directory, DTYPES[dtype])
+            dtype = auto_dtype(config)
+        quant, later = int4_later(directory, config) if dtype == "int4" else (None, set())
+        config, state = read_hf_dir(directory, DTYPES[dtype], later)
         net = model_from_state(config, state, str(directory), DTYPES[dtype])
+        if quant is not None:
+            mark_source_levels(net, quant, directory, wide)
         tokenizer = Tokenizer.from_dir(directory)
         name = resolved.name
         entry = resolved.entry
@@ -201,6 +273,9 @@ def load(
         from clover.quant import quantize_model
 
         quantize_model(net, dtype)
+        left = [n for n, p in net.named_parameters() if p.is_meta]
+        if left:  # a weight left for its levels that the quantizer did not take
+            raise CloverError(f"{name}: {left[0]} was not quantized from its GGUF levels")
     if adapter is not None:
         from clover.models.adapter import keep_float32
 

@@ -270,7 +270,7 @@ def config_from_gguf(meta: dict) -> dict:
     hidden = int(get("embedding_length"))
     d = {
         "model_type": "qwen2" if arch == "qwen2" else "llama",
-        "vocab_size": int(get("vocab_size", 0) or len(meta.get("tokenizer.ggml.tokens", []))),
+        "vocab_size": int(get("vocab_size", 0) or meta.get("tokenizer.ggml.tokens.count", 0)),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
