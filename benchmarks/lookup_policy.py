@@ -6,8 +6,9 @@ passes depend on the policy. That makes the policy exactly simulable: given an A
 each pass verifies the draft the index proposes, keeps its matching prefix plus one AR token.
 This measures, in one process,
 
-1. what a causal verify pass of w tokens costs (the last certain token + w - 1 drafted ones,
-   LM head over all w; median of `--reps`, widths interleaved, the cache rolled back), and
+1. what a causal verify pass of w tokens costs (`clover.bench.passes.pass_costs`, the harness
+   of `clover bench passes`: the last certain token + w - 1 drafted ones, LM head over all w,
+   median of `--reps`, the cache rolled back), and
 2. the greedy AR answers of the quality suite (natural ends, `--max-tokens`),
 
 then replays every policy (longest draft k, n-gram sizes, fixed or adaptive length) over the
@@ -24,15 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from clover.bench.common import command_line, machine, model_label, now, write_results
+from clover.bench.passes import pass_costs
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
 from clover.decoding.rows import NgramIndex
@@ -41,29 +38,6 @@ from clover.engine import LLM
 SUITE = Path("benchmarks/suites/quality.jsonl")
 NGRAM_SIZES = ((3, 2), (4, 3, 2), (3,), (2,), (3, 2, 1))
 LONGEST = (1, 2, 3, 4, 5, 7)
-
-
-def verify_costs(llm: LLM, prompt: list[int], widths: range, reps: int) -> dict[int, float]:
-    """Median ms of a causal pass of w tokens over the prompt's cache + the head over w."""
-    model = llm.model
-    gen = torch.Generator().manual_seed(0)
-    runs: dict[int, list[float]] = {w: [] for w in widths}
-    order = random.Random(0)
-    with torch.inference_mode():
-        cache = model.make_cache(1)
-        model(torch.tensor([prompt]), cache, "causal")
-        length = cache.lengths.clone()
-        for rep in range(reps + 2):  # two warm-up rounds
-            ws = list(widths)
-            order.shuffle(ws)
-            for w in ws:
-                x = torch.randint(100, llm.tokenizer.vocab_size, (1, w), generator=gen)
-                t0 = time.perf_counter()
-                model.logits(model(x, cache, "causal")[0])
-                if rep >= 2:
-                    runs[w].append((time.perf_counter() - t0) * 1000)
-                cache.lengths = length.clone()  # the next pass overwrites these slots
-    return {w: statistics.median(v) for w, v in runs.items()}
 
 
 def ar_answers(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> list:
@@ -130,7 +104,8 @@ def main() -> int:
     kinds = [it["kind"] for it in suite]
     longest_prompt = max(prompts, key=len)
     widths = range(1, max(LONGEST) + 2)
-    costs = verify_costs(llm, longest_prompt, widths, a.reps)
+    timed = pass_costs(llm.model, list(widths), 1, len(longest_prompt), a.reps)
+    costs = {w: t["ms"] for w, t in timed.items()}
     cost = costs.__getitem__
     print("verify pass ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in costs.items()))
     answers = ar_answers(llm, prompts, a.max_tokens, a.batch_size)

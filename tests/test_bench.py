@@ -266,3 +266,31 @@ def test_cli_speed_on_a_missing_gpu_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["bench", "speed", "-m", "clover-tiny", "--device", "cuda", "--no-rss"]) == 1
     assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_bench_passes_breakdown_on_a_tiny_quantized_model():
+    """The harness of `clover bench passes`: every pass kind, its ratio to the AR step, the
+    fused layers' components and their bounds (tiny llama, int4, our kernels if built)."""
+    import torch
+
+    from clover import kernels
+    from clover.bench.passes import format_passes, measure_machine, run_passes
+    from clover.quant import quantize_model
+    from tests.test_kernels import tiny_llama
+
+    model = quantize_model(tiny_llama())
+    report = run_passes(model, [2], 3, [1, 2], [8], reps=2, log=lambda _: None)
+    rates = report["machine_rates"]
+    assert set(rates) == {"bandwidth_gb_s", "bf16_gflop_s", "fp32_gflop_s"}
+    assert all(v > 0 for v in rates.values())
+    rows = report["passes"]
+    assert [r["pass"] for r in rows] == ["ar", "verify 2", "block 3"] * 2
+    assert all(r["x_ar_step"] == 1.0 for r in rows if r["pass"] == "ar")
+    for r in rows:
+        comp = r["components_ms"]
+        assert "head" in comp and "rest" in comp and set(r["bounds_ms"]) >= {"weights", "head"}
+        if kernels.load() is not None:  # the fused layers ran and their stages were timed
+            assert comp["weights"] > 0 and comp["attention"] > 0 and "weights" in r["x_bound"]
+    report["machine"] = {"torch_threads": torch.get_num_threads()}
+    assert "block 3" in format_passes(report)
+    assert measure_machine(0.01)["bandwidth_gb_s"] > 0

@@ -231,3 +231,23 @@ def test_attend_packed_matches_attend():
             torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=1e-2)
             if cached:
                 torch.testing.assert_close(caches[0].k, caches[1].k)
+
+
+def test_models_know_no_decoding_and_loading_checks_decoder_names():
+    """The model layer imports nothing from clover.decoding (one-way layers); a checkpoint whose
+    config names an unknown default decoder is refused when loaded, with the name."""
+    import ast
+    from pathlib import Path
+
+    import clover.models
+    from clover.decoding.policies import check_model_defaults
+
+    for path in Path(clover.models.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("clover.decoding"), path.name
+    c = tiny_model().config
+    check_model_defaults(c)
+    c.default_decoder = "magic"
+    with pytest.raises(CloverError, match="magic"):
+        check_model_defaults(c)

@@ -110,6 +110,8 @@ def test_packed_projections_match_separate_ones():
             if ".lora_b" in n:
                 p.normal_(0, 0.5)
     fused = quantize_model(copy.deepcopy(model))
+    fused.fused = False  # both through the modules: this is about packing (the C++ layers'
+    # float32 residual is tested against the modules in test_kernels.py)
     apart = quantize_model(copy.deepcopy(model), fuse=False)
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[1].mlp
     assert isinstance(attn.k_proj, Int4Part) and attn.k_proj.fused is attn.fused_q_proj

@@ -233,3 +233,84 @@ def test_warm_up_runs_every_kind_of_causal_pass():
     llm.model.backbone = recording
     llm.warm_up(rows=1)
     assert kinds == {"prefill", "step", "verify"}
+
+
+def test_speculative_sampling_has_the_ar_distribution():
+    """Lossless at temperature > 0: drafts drawn from the masked block's distribution q are
+    kept with probability min(1, p/q), the first refused one is redrawn from the residual.
+    Over 3,000 seeds the answers' tokens 2 and 3 (the ones drafts are verified for) follow AR
+    sampling's exact distribution, computed from the tiny model's probabilities: chi-square
+    on the marginals of t2 and t3 and on (t2, t3) in 8 x 8 bins."""
+    from scipy.stats import chi2
+
+    model = tiny_model(seed=2)
+    prompt = [5, 9, 12, 5, 9]
+    n = 3000
+    policy = make_policy("self_spec", 3, draft="mask")
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    results, _ = run(model, [prompt] * n, policy, max_new=3, sampling=sampling)
+    assert sum(r.drafts.get("mask", [0, 0])[0] for r in results) >= n  # drafts were verified
+    mask_id, V = model.config.mask_token_id, model.config.vocab_size
+
+    def probs(seqs):  # next-token distributions after each sequence, as AR sampling draws
+        with torch.inference_mode():
+            logits = model.logits(model(torch.tensor(seqs))[:, -1]).clone()
+            logits[:, mask_id] = float("-inf")
+            return logits.softmax(-1).double().clone()
+
+    p1 = probs([prompt])[0]
+    p2 = probs([prompt + [a] for a in range(V)])  # [V, V]
+    p3 = probs([prompt + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # P[t1, t2, t3] (no EOS ids given: none stops)
+    triples = [tuple(r.tokens) for r in results if len(r.tokens) == 3]
+    counts = torch.zeros(V, V, V, dtype=torch.float64)
+    for a, b, c in triples:
+        counts[a, b, c] += 1
+    m = len(triples)
+    assert m == n
+
+    def p_value(obs, exp):
+        big = exp >= 5
+        assert int(big.sum()) >= 12  # a real test: many cells
+        o = torch.cat([obs[big], obs[~big].sum()[None]])
+        e = torch.cat([exp[big], exp[~big].sum()[None]])
+        stat = float(((o - e) ** 2 / e.clamp(min=1e-12)).sum())
+        return chi2.sf(stat, len(o) - 1 - int(not bool((~big).any())))
+
+    coarse = lambda x: x.sum(0).reshape(8, V // 8, 8, V // 8).sum((1, 3)).flatten()  # noqa: E731
+    checks = {
+        "t2": p_value(counts.sum((0, 2)), joint.sum((0, 2)) * m),
+        "t3": p_value(counts.sum((0, 1)), joint.sum((0, 1)) * m),
+        "(t2, t3)": p_value(coarse(counts), coarse(joint) * m),
+    }
+    assert all(p > 1e-3 for p in checks.values()), checks
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_speculative_verification_rule_alone(with_q):
+    """The rule on one position, many draws: a draft drawn from q (or a point mass, as a
+    context lookup's) then verified gives tokens distributed as the target's p."""
+    from scipy.stats import chi2
+
+    from clover.decoding.rows import SpecRow
+
+    V, trials = 12, 20_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, V, generator=g) * 1.5
+    p = logits.softmax(-1)[0].double()
+    q = torch.randn(V, generator=g).softmax(-1)
+    row = SpecRow(0, [1, 2], 8, make_policy("self_spec", 2), g)
+    sampling = SamplingParams(temperature=1.0)
+    counts = torch.zeros(V, dtype=torch.float64)
+    kept = 0
+    for _ in range(trials):
+        d = int(torch.multinomial(q, 1, generator=g)) if with_q else 4
+        row.draft, row.draft_q = [d], (q[None] if with_q else None)
+        accepted, token = row._verify_sampled(torch.cat([logits, logits]), sampling)
+        counts[d if accepted else token] += 1
+        kept += accepted
+    exp = p * trials
+    stat = float(((counts - exp) ** 2 / exp).sum())
+    assert chi2.sf(stat, V - 1) > 1e-3
+    want = float(torch.minimum(p, q.double()).sum()) if with_q else float(p[4])
+    assert abs(kept / trials - want) < 0.02  # acceptance: sum min(p, q), or p(d)

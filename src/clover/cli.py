@@ -315,6 +315,16 @@ def cmd_cache(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clover.models.drafter import export_speculators, read_drafter_config
+
+    if a.model.endswith(".safetensors") and Path(a.model).is_file():
+        config = read_drafter_config(Path(a.model))  # a drafter: the speculators format
+        arch = a.verifier_arch or ["LlamaForCausalLM"]
+        print(export_speculators(Path(a.model), Path(a.out_dir), arch, force=a.force))
+        print(f"(drafter for {config.target}; verifier architectures {arch})", file=sys.stderr)
+        return 0
     from clover.hf.export import export
 
     print(export(a.model, a.out_dir, dtype=a.dtype, force=a.force))
@@ -329,6 +339,17 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
         top_k=a.top_k, seed=a.seed, dtype=a.dtype, device=a.device, max_minutes=a.max_minutes,
     )  # fmt: skip
     print(json.dumps(stats))
+    return 0
+
+
+def cmd_train_drafter(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clover.train.drafter import DrafterTrainConfig, train_drafter
+
+    cfg = DrafterTrainConfig.from_yaml(Path(a.config), out=a.out, steps=a.steps,
+                                       max_minutes=a.max_minutes)  # fmt: skip
+    print(json.dumps(train_drafter(cfg, progress=not a.quiet, until=a.until)))
     return 0
 
 
@@ -452,6 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=cmd_data_distill)
     tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)
+    td = tr.add_parser("drafter", help="a block-diffusion drafter on a target's features")
+    td.add_argument("--config", required=True, help="YAML run config (clover.train.drafter)")
+    td.add_argument("--out", help="override the config's output directory")
+    td.add_argument("--steps", type=int, help="override the config's steps")
+    td.add_argument("--max-minutes", type=float, help="a time box for this run")
+    td.add_argument("--until", type=int, help="stop at this step (the schedule stays)")
+    td.add_argument("--quiet", action="store_true")
+    td.set_defaults(func=cmd_train_drafter)
     t = tr.add_parser("adapt", help="AR -> block-diffusion adaptation on distilled data")
     t.add_argument("--config", required=True, help="YAML run config (see clover.train.adapt)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -464,8 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train_adapt)
     e = sub.add_parser("export", help="write a Hugging Face style checkpoint (transformers too)")
-    e.add_argument("model", help="name, GGUF file or HF directory")
+    e.add_argument("model", help="name, GGUF file or HF directory; or a drafter file "
+                   "(clover train drafter): written in the speculators format")  # fmt: skip
     e.add_argument("out_dir", help="directory to write (must be empty unless --force)")
+    e.add_argument("--verifier-arch", action="append",
+                   help="a drafter's verifier architecture (default LlamaForCausalLM)")  # fmt: skip
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     e.set_defaults(func=cmd_export)

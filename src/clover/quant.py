@@ -22,43 +22,63 @@ import ctypes
 import torch
 from torch import nn
 
+from clover import kernels
 from clover.errors import CloverError
+from clover.kernels.qgemm import QWeight
 
 GROUP = 32
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, ...]:
-    """w [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/g], low [N, K/g]); w ~ q*scale + low."""
+    """w [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/g], low [N, K/g]); w ~ q*scale + low.
+
+    scale and low are rounded to float16 before the levels are chosen, so the kernel keeps
+    them in 16 bits with nothing rounded, and a Q4_1 checkpoint (float16 d and m per 32, both
+    extreme levels used) gets its own levels and scales back exactly."""
     N, K = w.shape
     wg = w.float().reshape(N, K // group, group)
-    low = wg.amin(-1)
-    scale = ((wg.amax(-1) - low) / 15).clamp(min=1e-10)
+    low, scale = wg.amin(-1), (wg.amax(-1) - wg.amin(-1)) / 15
+    if bool((low.abs().amax() < 6e4) & (scale.amax() < 6e4)):  # within float16's range
+        low, scale = low.half().float(), scale.half().float()
+    scale = scale.clamp(min=2.0**-24)  # the smallest float16 (subnormal); groups of one value
     q = ((wg - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
     return q.reshape(N, K), scale, low
 
 
 def int4_levels(linear: nn.Linear, group: int = GROUP) -> tuple[torch.Tensor, ...]:
-    """A linear's 4-bit levels (q, scale, low) as `quantize_int4` returns them: the ones its
-    source stored when the loader attached them (`linear.int4_levels()`, e.g. a GGUF Q4_K
-    tensor's own: no second rounding; its weight may then be on the meta device, never
-    read), else fresh ones from the weight's min and max per group."""
-    given = getattr(linear, "int4_levels", None)
-    if given is not None:
-        return given()
-    return quantize_int4(linear.weight.detach(), group)
+    """A linear's 4-bit levels (q, scale, low) as `quantize_int4` returns them: its source's
+    own when the loader attached 4-bit ones (`linear.levels()` -> (q, scale, low, bits), e.g.
+    a GGUF Q4_K tensor's: nothing re-derived; its weight may be on the meta device, never
+    read), else fresh ones (from the source's wider levels, or from the weight)."""
+    given = getattr(linear, "levels", None)
+    if given is None:
+        return quantize_int4(linear.weight.detach(), group)
+    q, scale, low, bits = given()
+    if bits == 4:
+        return q, scale, low
+    G = scale.shape[1]  # wider levels (load(wide="int4")): their values, rounded to 4 bits
+    w = q.float().reshape(q.shape[0], G, -1) * scale[..., None]
+    w = (w if low is None else w + low[..., None]).reshape(q.shape)
+    return quantize_int4(w, group)
 
 
 def int4_fits(linear: nn.Module, group: int = GROUP) -> bool:
-    """The CPU kernel packs whole groups along K and 16-row tiles along N."""
+    """The CPU kernels take whole groups along K and 16-row tiles along N."""
     return linear.in_features % group == 0 and linear.out_features % 16 == 0
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W in 4-bit groups; x is computed in bfloat16."""
+    """y = x W^T + b with W in 4-bit groups of 32; x is rounded to bfloat16, output bfloat16
+    (float32 with `float_output`, as an LM head: logits rounded to bfloat16 would tie).
+
+    With Clover's kernels (`clover.kernels`) the weights are a `QWeight` (levels, scale and low
+    kept exactly); without them, PyTorch's int4 kernel, which rounds scale and zero to bfloat16
+    and re-reads the weights for every 4 rows (the fallback)."""
 
     def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
         super().__init__()
-        self._pack(*int4_levels(linear, group), linear.bias)
+        q, scale, low = int4_levels(linear, group)
+        self._set(q, scale, low, linear.bias)
 
     @classmethod
     def from_levels(
@@ -68,25 +88,35 @@ class Int4Linear(nn.Module):
         low: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> Int4Linear:
-        """From 4-bit levels: q int32 [N, K] in 0..15, scale and low float32 [N, K / 32]
-        (w ~ q * scale + low), e.g. a GGUF Q4 tensor's own."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._pack(q, scale, low, bias)
-        return self
+        """From integer levels q [N, K] in 0..15 and float32 scale/low [N, K/32] (W = q * scale
+        + low), e.g. a GGUF Q4_K/Q4_1 tensor's own, with nothing re-derived."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._set(q, scale, low, bias)
+        return module
 
-    def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: object) -> None:
+    def _set(
+        self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
         N, K = q.shape
         self.in_features, self.out_features, self.group = K, N, K // scale.shape[1]
+        self.bias = None if bias is None else bias.detach().float()
+        self.weight: QWeight | None = None
+        if kernels.load() is not None:
+            self.weight = QWeight.from_levels(q, scale, low, bits=4)
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        # the kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale
+        # the aten kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale
         zero = low + 8 * scale
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16)
         self.scales_and_zeros = self.scales_and_zeros.contiguous()  # [K/g, N, 2]
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+
+    float_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] (bfloat16)."""
+        if self.weight is not None:
+            return self.weight.matmul(x, self.bias, out_bf16=not self.float_output)
         shape = x.shape
         if x.dtype != torch.bfloat16:  # checked here: a no-op `.to` still costs a dispatch
             x = x.to(torch.bfloat16)
@@ -98,7 +128,7 @@ class Int4Linear(nn.Module):
         )
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features).to(torch.bfloat16)
 
 
 class Int4Part(nn.Module):
@@ -126,8 +156,8 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
         return
     if not all(int4_fits(b, group) for b in bases):
         return
-    if any(getattr(b, "int8_rows", False) for b in bases):
-        return  # a part stays wider than 4 bits (see quantize_model)
+    if any(getattr(b, "level_bits", 4) != 4 for b in bases):
+        return  # a part keeps its source's 8-bit levels (see quantize_model)
     # levels are per output row, so the packed matrix holds each part's own levels
     levels = [int4_levels(b, group) for b in bases]
     bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
@@ -184,40 +214,74 @@ def project_cat(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W in int8 per output channel (scale per row); x in bfloat16."""
+    """y = x W^T (+ b) with W in int8 per output row (a scale per row); x in bfloat16.
+    Run by Clover's kernel when it is there (the row's scale repeated per group of 32), else
+    by PyTorch's int8 kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-        rows = weight.shape[0]
-        self.weight = torch.empty(weight.shape, dtype=torch.int8)
-        self.scale = torch.empty(rows, dtype=torch.bfloat16)
-        for a in range(0, rows, 4096):  # in slices: a float32 copy of a large head is big
-            w = weight[a : a + 4096].detach().float()
-            scale = (w.abs().amax(1) / 127).clamp(min=1e-10)
-            self.weight[a : a + 4096] = (w / scale[:, None]).round().clamp(-127, 127)
-            self.scale[a : a + 4096] = scale
+        q, self.scale = int8_rows(weight)  # scale: bfloat16 (exact in the kernel's float16)
+        N, K = q.shape
+        self.weight: torch.Tensor | QWeight = q
+        if kernels.load() is not None and N % 16 == 0 and K % 32 == 0:
+            scales = self.scale.float()[:, None].expand(N, K // 32)
+            self.weight = QWeight.from_levels(q, scales, bits=8)
+
+    @classmethod
+    def from_levels(
+        cls,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> Int8Linear:
+        """From int8 levels q [N, K] and scale (low) [N, K / group], group 16 or 32, as a
+        GGUF Q8_0 / Q6_K / Q5_0 / Q5_K tensor stores them: nothing re-rounded. Needs Clover's
+        kernels (PyTorch's int8 kernel has one scale per row)."""
+        if kernels.load() is None:
+            raise CloverError("int8 weights in groups need Clover's CPU kernels (a C++ compiler)")
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        module.weight = QWeight.from_levels(q, scale, low, bits=8)
+        module.scale = None
+        return module
+
+    float_output = False  # as an LM head (see Int4Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
+        if isinstance(self.weight, QWeight):
+            y = self.weight.matmul(x.reshape(-1, shape[-1]), out_bf16=not self.float_output)
+        else:
+            y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], -1)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if isinstance(self.weight, QWeight):
+            return self.weight.dequantized()
         return self.weight.float() * self.scale.float()[:, None]
 
 
 def quantize_model(
-    model: nn.Module, mode: str = "int4", group: int = GROUP, fuse: bool = True
+    model: nn.Module,
+    mode: str = "int4",
+    group: int = GROUP,
+    fuse: bool = True,
+    head: str = "int8",
 ) -> nn.Module:
     """In place, weight-only. int4: decoder linears -> Int4Linear (where the kernel's tiling
-    fits), LM head -> Int8Linear. int8: every linear and every expert -> 8-bit per output
-    channel. Everything else (embeddings, norms) becomes bfloat16. fuse (int4): pack q/k/v and
-    gate/up into one matrix each (`Int4Part`; False keeps them apart: the reference)."""
+    fits). int8: every linear and every expert -> 8-bit per output channel. The LM head is
+    `head` (int8 per row, or int4 groups of 32 where Clover's kernels run) and returns float32.
+    Everything else (embeddings, norms) becomes bfloat16. fuse (int4): pack q/k/v and gate/up
+    into one matrix each (`Int4Part`; False keeps them apart: the reference)."""
     if mode not in ("int4", "int8"):
         raise CloverError(f"unknown quantization {mode!r}: int4 or int8")
+    if head not in ("int4", "int8"):
+        raise CloverError(f"unknown LM head precision {head!r}: int4 or int8")
     if next(model.parameters()).device.type != "cpu":
         raise CloverError("weight-only quantization uses CPU kernels; use bfloat16 elsewhere")
     model.to(torch.bfloat16)
@@ -238,10 +302,14 @@ def quantize_model(
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear) or name == "lm_head":
                 continue
-            if mode == "int8" or getattr(child, "int8_rows", False):
-                # int8_rows: the loader's mark for a weight stored wider than 4 bits (GGUF
-                # Q5/Q6/Q8): 8 bits per row keeps it closer than a second 4-bit rounding
+            if mode == "int8":
                 setattr(module, name, Int8Linear(child.weight, child.bias))
+                changed = True
+            elif getattr(child, "level_bits", 4) == 8:
+                # the loader's mark: a source stored wider than 4 bits (GGUF Q5/Q6/Q8), whose
+                # own 8-bit levels the kernel takes as they are, not rounded again to 4 bits
+                q, scale, low, _ = child.levels()
+                setattr(module, name, Int8Linear.from_levels(q, scale, low, child.bias))
                 changed = True
             elif int4_fits(child, group):
                 setattr(module, name, Int4Linear(child, group))
@@ -249,7 +317,12 @@ def quantize_model(
         child = None  # (the loop variable would keep the last replaced linear alive)
         if changed:  # the replaced weights are free now: give their pages back as we go
             release_freed_memory()
-    model.quantized_head = Int8Linear(model.head_weight())
+    w = model.head_weight()
+    if head == "int4" and kernels.load() is not None and w.shape[0] % 16 == 0:
+        model.quantized_head = Int4Linear.from_levels(*quantize_int4(w.detach(), group))
+    else:
+        model.quantized_head = Int8Linear(w)
+    model.quantized_head.float_output = True
     if hasattr(model, "lm_head"):
         del model.lm_head
     release_freed_memory()

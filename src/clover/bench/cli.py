@@ -295,6 +295,29 @@ def cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_passes(a: argparse.Namespace) -> int:
+    import torch
+
+    from clover.bench.passes import format_passes, run_passes
+    from clover.engine import LLM
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    llm = LLM(a.model, dtype=a.dtype, progress=False)
+    ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
+    record = machine()
+    report = {"benchmark": "clover bench passes", "date": now(), "command": command_line(),
+              "machine": record, "model": a.model, "dtype": llm.dtype, "reps": a.reps,
+              "notes": _busy_note(record)}  # fmt: skip
+    report.update(run_passes(llm.model, ints(a.widths), a.block, ints(a.batch), ints(a.cache),
+                             a.reps, log=_log))  # fmt: skip
+    out = Path(a.out) if a.out else RESULTS / f"bench-passes-{model_label(a.model)}.json"
+    write_results(report, out)
+    _log(f"wrote {out}")
+    print(format_passes(report))
+    return 0
+
+
 def cmd_gpu(a: argparse.Namespace) -> int:
     from clover.bench.gpu import format_gpu, time_passes
 
@@ -374,6 +397,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("plot", help="PNGs from bench results files")
     p.add_argument("results", nargs="+", help="bench-speed-*.json / bench-quality-*.json")
     p.set_defaults(func=cmd_plot)
+
+    ps = kinds.add_parser("passes", help="forward pass cost by width, by component, vs bounds")
+    ps.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
+    ps.add_argument("--dtype", default="int4", help="precision (int4)")
+    ps.add_argument("--widths", default="4,8,16", help="verify pass widths (4,8,16)")
+    ps.add_argument("--block", type=int, default=33, help="block pass positions (33)")
+    ps.add_argument("--batch", default="1,8", help="rows per pass (1,8)")
+    ps.add_argument("--cache", default="200,2000", help="cached tokens per row (200,2000)")
+    ps.add_argument("--reps", type=int, default=10, help="timed passes each (10)")
+    ps.add_argument("--threads", type=int, help="torch threads (default: PyTorch's)")
+    ps.add_argument("--out", help="results JSON (default benchmarks/results/bench-passes-*.json)")
+    ps.set_defaults(func=cmd_passes)
 
     g = kinds.add_parser("gpu", help="time one block pass and one commit pass at a model shape")
     g.add_argument("--preset", default="clover-35b-a3b", help="clover-35b-a3b or clover-tiny")

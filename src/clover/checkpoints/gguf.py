@@ -22,7 +22,7 @@ from clover.errors import CloverError
 from clover.models import architecture
 
 QUANT_FILE = "gguf_quant.safetensors"  # beside a converted checkpoint: `GGUFQuant`
-SCALE, LOW = ":int4_scale", ":int4_low"
+SCALE, LOW = ":scale", ":low"
 
 
 def gguf_metadata(reader: object) -> dict:
@@ -40,34 +40,42 @@ def gguf_metadata(reader: object) -> dict:
 
 @dataclass
 class GGUFQuant:
-    """How a GGUF stored each weight, by HF name: its ggml type, and for 4-bit types with
-    groups of 32 (`ggml.INT4_TYPES`) the per-group scale and offset [N, K / 32] float32, so
-    the int4 kernel can take the file's own levels (`clover.quant.int4_levels`)."""
+    """How a GGUF stored each weight, by HF name: its ggml type, and for quantized matrices
+    the per-group scale (and offset, for affine types) [N, K / group] float32, so a kernel
+    can take the file's own integer levels (`levels`) instead of rounding the floats again."""
 
     types: dict[str, str] = field(default_factory=dict)
     scale: dict[str, torch.Tensor] = field(default_factory=dict)
-    low: dict[str, torch.Tensor] = field(default_factory=dict)
+    low: dict[str, torch.Tensor] = field(default_factory=dict)  # absent: symmetric type
 
     def save(self, path: Path) -> None:
         tensors = {f"{k}{SCALE}": v.contiguous() for k, v in self.scale.items()}
         tensors.update({f"{k}{LOW}": v.contiguous() for k, v in self.low.items()})
         save_file(tensors, str(path), metadata={"gguf_types": json.dumps(self.types)})
 
-    def int4_levels(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """weight [N, K] float32, as dequantized -> its levels (q int32 [N, K] in 0..15,
-        scale, low [N, K / 32]), recovered exactly: the weight was computed as q * scale +
-        low in float32, which is checked."""
-        scale, low = self.scale[name], self.low[name]
+    def bits(self, name: str) -> int:
+        """4 for the types whose levels are our int4 layout (0..15, groups of 32), else 8."""
+        return 4 if self.types[name] in ggml.INT4_TYPES else 8
+
+    def levels(self, name: str, weight: torch.Tensor) -> tuple:
+        """weight [N, K] float32 as dequantized -> (q int32 [N, K], scale, low or None,
+        bits): its levels, recovered exactly (the weight was computed as q * scale (+ low)
+        in float32, which is checked)."""
+        scale, low = self.scale[name], self.low.get(name)
         N, K = weight.shape
-        w = weight.float().reshape(N, K // 32, 32)
-        safe = torch.where(scale > 0, scale, 1.0)[..., None]  # a zero scale: all `low`, q 0
-        q = ((w - low[..., None]) / safe).round().clamp(0, 15)
-        if not torch.equal(q * scale[..., None] + low[..., None], w):
+        w = weight.float().reshape(N, scale.shape[1], -1)
+        base = w if low is None else w - low[..., None]
+        safe = torch.where(scale != 0, scale, 1.0)[..., None]  # a zero scale: any level, take 0
+        q = (base / safe).round()
+        back = q * scale[..., None]
+        if low is not None:
+            back = back + low[..., None]
+        if not torch.equal(back, w):
             raise CloverError(
-                f"{name}: the converted weights do not hold the GGUF's 4-bit levels (a damaged "
-                "conversion?); `clover cache prune` after deleting it converts again"
+                f"{name}: the converted weights do not hold the GGUF's levels (a damaged "
+                "conversion?); delete it (clover cache lists it) to convert again"
             )
-        return q.to(torch.int32).reshape(N, K), scale, low
+        return q.to(torch.int32).reshape(N, K), scale, low, self.bits(name)
 
     @classmethod
     def read(cls, directory: Path) -> GGUFQuant | None:
@@ -132,8 +140,10 @@ def read_gguf(
             rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
             out = ggml.decode(t.data, kind, rows, shape[-1])
             if isinstance(out, ggml.Levels):
-                if kind in ggml.INT4_TYPES and len(shape) == 2:
-                    scales[t.name], lows[t.name] = out.scale, out.low
+                if len(shape) == 2:
+                    scales[t.name] = out.scale
+                    if out.low is not None:
+                        lows[t.name] = out.low
                 out = out.dequantize()
             arrays[t.name] = out.reshape(shape)
             continue

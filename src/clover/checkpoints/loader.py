@@ -7,8 +7,8 @@ The steps, in order, each decided here once:
    (`prepare_checkpoint`; `cache` keys it by the file's bytes);
 3. precision and device: `auto` is int4 for a 4-bit GGUF source, else bfloat16 where the CPU
    has bf16 instructions, else float32; off the CPU, bfloat16 (int4/int8 are CPU kernels).
-   int4 from a GGUF keeps the file's own 4-bit levels and puts wider quantized types on the
-   8-bit kernel (`mark_source_levels`; the levels travel in the converted checkpoint);
+   int4 from a GGUF keeps the file's own levels: 4-bit types on the int4 kernel, wider ones on
+   the int8 kernel in groups (`mark_source_levels`; scales travel in the converted checkpoint);
 4. the weights are read in that dtype and adopted by the architecture (`hf_dir.model_from_state`,
    the family's `sanitize` maps names); the registry's decoding defaults and draft adapter are
    applied; weight-only quantization last; then the move to the device.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clover.checkpoints import cache, ggml
+from clover.checkpoints import cache
 from clover.checkpoints.gguf import QUANT_FILE, GGUFQuant, read_gguf
 from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
 from clover.checkpoints.hf_dir import (
@@ -38,6 +38,7 @@ from clover.checkpoints.hf_dir import (
     save_checkpoint,
 )
 from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
+from clover.decoding.policies import check_model_defaults
 from clover.errors import CloverError
 from clover.models import build_model, make_config
 from clover.models.base import DiffusionLM
@@ -156,49 +157,59 @@ def auto_dtype(config: dict) -> str:
     return "bfloat16"
 
 
-def int4_later(directory: Path, config: dict) -> tuple[GGUFQuant | None, set[str]]:
-    """For an int4 load of a converted GGUF: its record, and the weights the int4 kernel
-    will take from their own 4-bit levels; those are read when quantized, one at a time, and
-    never exist in bfloat16 (`mark_source_levels`)."""
+def int4_later(
+    directory: Path, config: dict, wide: str = "int8"
+) -> tuple[GGUFQuant | None, set[str]]:
+    """For an int4 load of a converted GGUF: its record, and the weights the kernels will
+    take from the file's own levels (`mark_source_levels`): read then, one at a time in
+    float32, never as a bfloat16 copy. 4-bit types where the int4 kernel fits; wider ones
+    (8-bit levels in groups of 16 or 32) where Clover's kernels run, unless `wide` is int4."""
+    if wide not in ("int8", "int4"):
+        raise CloverError(f"wide {wide!r}: int8 or int4")
     quant = GGUFQuant.read(directory)
     if quant is None:
         return None, set()
+    from clover import kernels
+
+    grouped_int8 = wide == "int8" and kernels.load() is not None
     with torch.device("meta"):
         probe = build_model(make_config(config))
     later = set()
-    for name, module in probe.named_modules():
-        if isinstance(module, nn.Linear) and name != "lm_head" and int4_fits(module):
-            if f"{name}.weight" in quant.scale:
-                later.add(f"{name}.weight")
+    for module_name, module in probe.named_modules():
+        name = f"{module_name}.weight"
+        if not isinstance(module, nn.Linear) or module_name == "lm_head" or name not in quant.scale:
+            continue
+        if quant.bits(name) == 4 or wide == "int4":
+            fits = int4_fits(module)
+        else:
+            group = module.in_features // quant.scale[name].shape[1]
+            fits = grouped_int8 and group in (16, 32) and module.out_features % 16 == 0
+        if fits:
+            later.add(name)
     return quant, later
 
 
 def mark_source_levels(
-    net: DiffusionLM, quant: GGUFQuant, directory: Path, wide: str = "int8"
+    net: DiffusionLM, quant: GGUFQuant, directory: Path, later: set[str], wide: str = "int8"
 ) -> int:
-    """Tell `quantize_model` how a GGUF stored each linear: a 4-bit tensor (its weight left
-    on the meta device by `int4_later`) gets `int4_levels`, which reads it and recovers the
-    file's own levels; a wider quantized type (Q5_0, Q5_K, Q6_K, Q8_0) gets `int8_rows` (the
-    8-bit per-row kernel, not a second rounding to 4 bits) unless `wide` is "int4" (rounded
-    to 4 bits like a float weight: smaller and faster, less exact). -> linears given levels."""
-    if wide not in ("int8", "int4"):
-        raise CloverError(f"wide {wide!r}: int8 or int4")
+    """Give each linear in `later` (its weight on the meta device) `levels()`, which reads the
+    weight and recovers the file's own levels, and `level_bits`: 4 for a 4-bit type (the int4
+    kernel), 8 for a wider one (Q5_0, Q5_K, Q6_K, Q8_0: the int8 kernel in groups, no second
+    rounding) unless `wide` is int4 (rounded to 4 bits: smaller and faster, not exact).
+    -> how many linears were marked."""
     files = safetensors_files(directory)
-    kept = 0
+    marked = 0
     for module_name, module in net.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
         name = f"{module_name}.weight"
-        if name in quant.scale and module.weight.is_meta:
-            module.int4_levels = partial(_levels_from_file, quant, files, name)
-            kept += 1
-        elif name not in quant.scale and quant.types.get(name) in ggml.BLOCKS:
-            module.int8_rows = wide == "int8"
-    return kept
+        if isinstance(module, nn.Linear) and name in later:
+            module.levels = partial(_levels_from_file, quant, files, name)
+            module.level_bits = 4 if wide == "int4" else quant.bits(name)
+            marked += 1
+    return marked
 
 
 def _levels_from_file(quant: GGUFQuant, files: list[Path], name: str) -> tuple:
-    return quant.int4_levels(name, read_tensor(files, name))
+    return quant.levels(name, read_tensor(files, name))
 
 
 def _preset_model(name: str, progress: bool) -> tuple[DiffusionLM, Tokenizer]:
@@ -249,11 +260,11 @@ def load(
         config = read_config(directory)
         if dtype == "auto":
             dtype = auto_dtype(config)
-        quant, later = int4_later(directory, config) if dtype == "int4" else (None, set())
+        quant, later = int4_later(directory, config, wide) if dtype == "int4" else (None, set())
         config, state = read_hf_dir(directory, DTYPES[dtype], later)
         net = model_from_state(config, state, str(directory), DTYPES[dtype])
         if quant is not None:
-            mark_source_levels(net, quant, directory, wide)
+            mark_source_levels(net, quant, directory, later, wide)
         tokenizer = Tokenizer.from_dir(directory)
         name = resolved.name
         entry = resolved.entry
@@ -261,6 +272,7 @@ def load(
             adapter = entry.adapter_path
         for key, value in (entry.decoding if entry else {}).items():
             setattr(net.config, key, value)
+    check_model_defaults(net.config)
     if adapter is not None:
         from clover.models.adapter import load_adapter
 

@@ -1,7 +1,8 @@
 """The project's own prompt set for self-distillation, generated from templates.
 
-Seven kinds (code, explanation, list, fact, rewrite, arithmetic, multi-turn), each a few
-templates filled from small vocabularies written here, so thousands of distinct prompts come
+Thirteen kinds (code, code edits, explanation, how-to steps, comparison, list, fact, rewrite,
+arithmetic, a short story or poem, an email, JSON, multi-turn), each a few templates filled
+from small vocabularies written here, so thousands of distinct prompts come
 from a few hundred lines and no external text. `prompt_set(n, seed)` is deterministic: the same
 (n, seed) always gives the same prompts with the same ids, which is what makes distillation
 resumable and the held-out split stable.
@@ -130,8 +131,96 @@ def _multi_turn(r: random.Random) -> list[dict]:
     ]
 
 
+SNIPPETS = [
+    ("def add(a, b):\n    return a - b", "it should add, not subtract"),
+    ("def is_even(n):\n    return n % 2 == 1", "it returns the wrong answer"),
+    ("def last(xs):\n    return xs[len(xs)]", "it raises an IndexError"),
+    ("def greet(name):\n    print('Hello ' + name)", "it should return the text instead"),
+    ("def total(prices):\n    s = 0\n    for p in prices:\n        s = p\n    return s",
+     "it only returns the last price"),
+    ("def first_word(text):\n    return text.split(',')[0]", "it splits on the wrong character"),
+]  # fmt: skip
+EDITS = [
+    "add a docstring", "add type hints", "rename the variables to clearer names",
+    "make it handle an empty input", "rewrite it in JavaScript", "add a short test for it",
+]  # fmt: skip
+TASKS = [
+    "make a cup of tea", "plant a tomato seedling", "back up the files on a laptop",
+    "change a bicycle tire", "prepare for a job interview", "set up a new email account",
+    "clean a keyboard", "write a good commit message", "boil an egg", "start a vegetable soup",
+]  # fmt: skip
+PAIRS = [
+    ("cats", "dogs"), ("trains", "planes"), ("tea", "coffee"), ("Python", "JavaScript"),
+    ("solar power", "wind power"), ("books", "films"), ("a laptop", "a tablet"),
+    ("running", "swimming"), ("cities", "villages"), ("lists", "tuples in Python"),
+]  # fmt: skip
+CHARACTERS = ["a lost robot", "a curious cat", "an old lighthouse keeper", "a young baker",
+              "a tired astronaut", "a brave little boat"]  # fmt: skip
+SUFFIXES = ["", "", " Keep it short.", " Use simple words.", " Be precise.",
+            " Answer in under 120 words.", " Add a one-line summary at the end."]  # fmt: skip
+RECIPIENTS = ["your manager", "a colleague", "a neighbour", "a customer", "your team"]
+OCCASIONS = [
+    "ask a colleague to review a document by Friday", "thank a teacher for their help",
+    "tell the team the office is closed on Monday", "ask a landlord to fix the heating",
+    "invite a friend to a birthday dinner", "apologize for missing a meeting",
+]  # fmt: skip
+
+
+def _code_edit(r: random.Random) -> list[dict]:
+    code, bug = r.choice(SNIPPETS)
+    if r.random() < 0.5:
+        ask = f"This Python function has a bug: {bug}. Fix it.\n\n{code}"
+    else:
+        ask = f"Here is a Python function:\n\n{code}\n\nPlease {r.choice(EDITS)}."
+    return [{"role": "user", "content": ask + r.choice(SUFFIXES)}]
+
+
+def _howto(r: random.Random) -> list[dict]:
+    task = r.choice(TASKS)
+    form = r.choice([f"How do I {task}? Give step-by-step instructions.",
+                     f"Explain, step by step, how to {task}.",
+                     f"What are the steps to {task}? Number them."])  # fmt: skip
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _compare(r: random.Random) -> list[dict]:
+    a, b = r.choice(PAIRS)
+    form = r.choice([f"Compare {a} and {b}.", f"What are the differences between {a} and {b}?",
+                     f"Give two pros and two cons of {a} versus {b}."])  # fmt: skip
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _story(r: random.Random) -> list[dict]:
+    who, topic = r.choice(CHARACTERS), r.choice(TOPICS)
+    form = r.choice([f"Write a short story about {who}.",
+                     f"Write a short poem about {topic}.",
+                     f"Tell a bedtime story about {who} who learns about {topic}."])  # fmt: skip
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _email(r: random.Random) -> list[dict]:
+    who, why = r.choice(RECIPIENTS), r.choice(OCCASIONS)
+    form = r.choice([f"Write a short email to {why}.", f"Write an email to {who} to {why}."])
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _json(r: random.Random) -> list[dict]:
+    topic = r.choice(TOPICS + [c for c in COUNTRIES])
+    form = r.choice([
+        f"Give three facts about {topic} as a JSON list of strings.",
+        f'Describe {topic} as a JSON object with the keys "name", "summary" and "examples".',
+    ])  # fmt: skip
+    return [{"role": "user", "content": form}]
+
+
 KINDS = {
     "code": _code,
+    "code_edit": _code_edit,
+    "howto": _howto,
+    "compare": _compare,
+    "story": _story,
+    "email": _email,
+    "json": _json,
     "explain": _explain,
     "list": _list,
     "fact": _fact,

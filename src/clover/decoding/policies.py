@@ -125,3 +125,15 @@ def make_policy(
     if name == "self_spec":
         return SelfSpec(block_size=block_size, refine_steps=refine_steps, draft=draft)
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+
+
+def check_model_defaults(config: object) -> None:
+    """A model's config names the decoder and self_spec draft source it is made for; refuse
+    names this engine does not know, when the model is loaded (the model layer does not know
+    decoding)."""
+    decoder = getattr(config, "default_decoder", "ar")
+    draft = getattr(config, "draft", "mask")
+    if decoder not in DECODERS:
+        raise CloverError(f"config: default_decoder {decoder!r}: one of {', '.join(DECODERS)}")
+    if draft not in DRAFTS:
+        raise CloverError(f"config: draft {draft!r}: one of {', '.join(DRAFTS)}")

@@ -38,7 +38,7 @@ import torch
 
 from clover.decoding.constraints import LogitsConstraint, pick
 from clover.decoding.policies import Policy
-from clover.decoding.sampling import SamplingParams, sample
+from clover.decoding.sampling import SamplingParams, filtered_probs, sample
 
 MASKED = -1
 
@@ -264,6 +264,18 @@ class NgramIndex:
         return []
 
 
+def draw_drafts(
+    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
+) -> tuple[list[int], torch.Tensor | None]:
+    """A draft from its logits [n, V]: the arg-max (greedy decoding; no distribution kept),
+    else a draw from the same filtered distribution the target samples from, kept as q for
+    speculative sampling."""
+    if sampling.greedy or logits.shape[0] == 0:
+        return logits.argmax(-1).tolist(), None
+    q = filtered_probs(logits.float(), sampling)
+    return torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist(), q
+
+
 class SpecRow(Row):
     """self_spec: draft a block, verify it causally next pass, keep what AR would write.
 
@@ -277,6 +289,7 @@ class SpecRow(Row):
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.draft: list[int] = []
+        self.draft_q: torch.Tensor | None = None  # [len(draft), V] what drafts were drawn from
         self.refine_left = 0
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self._from_context = False  # the planned pass's draft came from a context lookup
@@ -294,7 +307,7 @@ class SpecRow(Row):
             room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
             found = self.context.draft(min(self.policy.block_size - 1, room))
             if found:  # a context match beats the block's guess
-                self.draft, self._from_context = found, True
+                self.draft, self.draft_q, self._from_context = found, None, True
         return self._verify_plan(mask_id)
 
     def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
@@ -310,6 +323,7 @@ class SpecRow(Row):
     def shorten(self, n: int, mask_id: int) -> tuple[list[int], int]:
         """Keep only the first n tokens of the planned lookup draft; -> the new plan."""
         self.draft = self.draft[:n]
+        self.draft_q = None if self.draft_q is None else self.draft_q[:n]
         self._from_context = bool(self.draft)
         return self._verify_plan(mask_id)
 
@@ -332,17 +346,10 @@ class SpecRow(Row):
             return self._refine(logits, sampling, eos)
         nv = self._n_verify
         verify, drafted = logits[:nv], logits[nv:]
-        accepted, token = 0, None
-        for i in range(nv):  # sequential: a sample is drawn only where AR would draw one
-            if self.constraint is not None:
-                tok = self.constrained(verify[i], len(self.answer) + i, sampling)
-            else:
-                tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
-            if i < len(self.draft) and tok == self.draft[i]:
-                accepted += 1
-                continue
-            token = tok
-            break
+        if sampling.greedy or self.constraint is not None:
+            accepted, token = self._verify_exact(verify, sampling)
+        else:
+            accepted, token = self._verify_sampled(verify, sampling)
         if self.draft:
             source = "lookup" if self._from_context else "mask"
             tally = self.result.drafts.setdefault(source, [0, 0])
@@ -353,12 +360,52 @@ class SpecRow(Row):
         new = self.draft[:accepted] + [token]
         start = self._append(new)
         room = self.max_new - len(self.answer) - 1  # the next pass always adds one AR token
+        self.draft_q = None
         if self.masks and rollback == 0 and room > 0 and first_eos(new, eos) is None:
-            self.draft = drafted.argmax(-1).tolist()[:room]
+            self.draft, self.draft_q = draw_drafts(drafted[:room], sampling, self.gen)
             self.refine_left = self.policy.refine_steps
         else:
             self.draft = []
         return [(start + i, t) for i, t in enumerate(new)], rollback
+
+    def _verify_exact(self, verify: torch.Tensor, sampling: SamplingParams) -> tuple[int, int]:
+        """Greedy or constrained: the AR token at each position, drafts kept while they equal
+        it. -> (drafts accepted, the token after them)."""
+        for i in range(verify.shape[0]):  # sequential: a token is drawn only where AR draws
+            if self.constraint is not None:
+                tok = self.constrained(verify[i], len(self.answer) + i, sampling)
+            else:
+                tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
+            if i < len(self.draft) and tok == self.draft[i]:
+                continue
+            return i, tok
+        raise AssertionError("a verify pass has one position more than its draft")
+
+    def _verify_sampled(self, verify: torch.Tensor, sampling: SamplingParams) -> tuple[int, int]:
+        """Speculative sampling: draft token d, drawn from q, is kept with probability
+        min(1, p(d) / q(d)) under the target's p; the first one refused is replaced by a draw
+        from the residual max(p - q, 0) (renormalised); after every draft, a draw from p. The
+        tokens are distributed exactly as AR sampling's (tests/test_self_spec.py), and a draft
+        drawn from a q close to p survives far more often than one that must equal p's sample.
+        A draft without q (a context lookup, an arg-max) is a point mass: q(d) = 1."""
+        probs = filtered_probs(verify.float(), sampling)  # [nv, V]
+        for i, p in enumerate(probs):
+            if i == len(self.draft):
+                return i, int(torch.multinomial(p, 1, generator=self.gen))
+            d = self.draft[i]
+            q = None if self.draft_q is None else self.draft_q[i]
+            qd = 1.0 if q is None else float(q[d])
+            if float(torch.rand((), generator=self.gen)) * qd < float(p[d]):
+                continue
+            residual = p.clone()
+            if q is None:
+                residual[d] = 0.0
+            else:
+                residual = (p - q).clamp(min=0.0)
+            if float(residual.sum()) <= 0:  # p <= q everywhere: only p itself is left
+                residual = p
+            return i, int(torch.multinomial(residual, 1, generator=self.gen))
+        raise AssertionError("a verify pass has one position more than its draft")
 
     def _refine(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
         if self.constraint is not None:
@@ -370,6 +417,7 @@ class SpecRow(Row):
         refined = logits[1:].argmax(-1).tolist()
         room = self.max_new - len(self.answer) - 1
         self.draft = refined[:room] if token not in eos and room > 0 else []
+        self.draft_q = None
         self.refine_left -= 1
         return [(start, token)], 0
 

@@ -68,6 +68,10 @@ class DiffusionLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute state that checkpoints do not hold (called after loading)."""
 
+    def fused_layers(self, layout: StepLayout, caches: list[LayerCache] | None) -> list | None:
+        """Fused C++ layers (clover.kernels) this pass runs through, or None: the modules."""
+        return None
+
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight [V, D]: `lm_head`, or the embedding table when tied."""
         return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
@@ -95,11 +99,14 @@ class DiffusionLM(nn.Module):
         n_commit: torch.Tensor | int | None = None,
         n_valid: torch.Tensor | int | None = None,
         layout: StepLayout | None = None,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> hidden [B, T, D].
 
         n_valid [B] (default T): tokens per row that are not padding. n_commit [B] (mode
         "block" only, default 0): leading tokens committed causally before the block.
+        capture: layer ids whose outputs to return too (a drafter's features, cached modes):
+        then -> (hidden, features float32 [B, T, len(capture) * D], in capture's order).
         """
         B, T = input_ids.shape
         if mode == "train":
@@ -122,9 +129,15 @@ class DiffusionLM(nn.Module):
                 raise CloverError("n_commit exceeds the number of valid tokens")
         cache.prepare(T, valid)
         step = cached_layout(commit, block, cache.lengths, T)
+        step.capture = tuple(capture)
         hidden = self._run(input_ids, step, cache.layers)
         cache.advance(commit)
-        return hidden
+        if not capture:
+            return hidden
+        if len(step.captured) != len(set(capture)):
+            raise CloverError(f"capture {list(capture)}: layer ids outside the model")
+        by_layer = dict(zip(sorted(set(capture)), step.captured))
+        return hidden, torch.cat([by_layer[i] for i in capture], -1)
 
     def forward_over_prefix(
         self, input_ids: torch.Tensor, cache: ModelCache, layout: StepLayout
@@ -172,6 +185,8 @@ class DiffusionLM(nn.Module):
             and caches is not None
             and (adapter is None or adapter.tokens.index is None)  # no block tokens
             and not torch.is_grad_enabled()
+            and self.fused_layers(layout, caches) is None  # the fused path needs no compiling
+            and not layout.capture
         )
         backbone = self.compiled_backbone if compiled else self.backbone
         try:

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
@@ -70,7 +69,8 @@ class CloverConfig(ConfigMixin):
     shifted: bool = True
     default_decoder: str = "low_confidence"
     block_size: int = 32
-    draft: str = "mask"  # where self_spec drafts come from (decoding.policies.DRAFTS)
+    draft: str = "mask"  # where self_spec drafts come from (checked when loaded:
+    # decoding.policies.check_model_defaults; the model layer knows no decoder names)
     block_coreset: int = 0  # experts per block during previews; 0 = per-token routing
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -111,10 +111,6 @@ class CloverConfig(ConfigMixin):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
-        if self.default_decoder not in DECODERS:
-            raise CloverError(f"config: default_decoder {self.default_decoder!r}")
-        if self.draft not in DRAFTS:
-            raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
 
     @property
     def rotary_dim(self) -> int:
@@ -282,6 +278,7 @@ class CloverModel(DiffusionLM):
             groups = torch.where(in_block, torch.arange(len(nc))[:, None], -1)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, layout, None if caches is None else caches[i], groups, coreset)
+            layout.keep(i, x)
         return self.model.norm(x)
 
     def _train_forward(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:

@@ -10,7 +10,7 @@ the same block sees at inference when its prefix was committed causally, so the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +32,24 @@ class StepLayout:
     # (recurrent ones) that need the block structure rather than a mask
     train: tuple | None = None
     span: tuple[int, int] | None = None  # (min, max) of lengths, once per pass, not per layer
+    # layers whose outputs the caller wants (a drafter's features); backbones `keep` them
+    capture: tuple[int, ...] = ()
+    captured: list = field(default_factory=list)
+
+    def keep(self, layer: int, x: torch.Tensor) -> None:
+        """Backbones call this with each layer's output x [B, T, D] (a float32 copy is kept
+        for the layers in `capture`)."""
+        if layer in self.capture:
+            self.captured.append(x.float().clone())
 
     def length_range(self) -> tuple[int, int]:
         if self.span is None:
             self.span = (int(self.lengths.min()), int(self.lengths.max()))
         return self.span
+
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lengths, n_commit, n_block), each long [B]."""
+        return self.lengths, self.n_commit, self.n_block
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
@@ -60,7 +59,8 @@ class LlamaConfig(ConfigMixin):
     shifted: bool = True
     default_decoder: str = "low_confidence"
     block_size: int = 32
-    draft: str = "mask"  # where self_spec drafts come from (decoding.policies.DRAFTS)
+    draft: str = "mask"  # where self_spec drafts come from (checked when loaded:
+    # decoding.policies.check_model_defaults; the model layer knows no decoder names)
     extra: dict = field(default_factory=dict, repr=False)  # unknown keys, kept for saving
 
     def __post_init__(self) -> None:
@@ -101,10 +101,6 @@ class LlamaConfig(ConfigMixin):
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
         if any(not 0 <= e < self.vocab_size for e in self.eos_token_ids):
             raise CloverError(f"config: eos_token_id {self.eos_token_id} outside the vocabulary")
-        if self.default_decoder not in DECODERS:
-            raise CloverError(f"config: default_decoder {self.default_decoder!r}")
-        if self.draft not in DRAFTS:
-            raise CloverError(f"config: draft {self.draft!r}: mask, lookup or mask+lookup")
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates scaling
 
     def to_dict(self) -> dict:
@@ -201,11 +197,97 @@ class LlamaModel(DiffusionLM):
     def backbone(
         self, input_ids: torch.Tensor, layout: StepLayout, caches: list[LayerCache] | None
     ) -> torch.Tensor:
+        fused = self.fused_layers(layout, caches)
+        if fused is not None:
+            return self._fused_backbone(fused, input_ids, layout, caches)
         x = self.model.embed_tokens(input_ids)  # [B, T, D]
         rope = rope_cos_sin(layout.positions, self.inv_freq.to(input_ids.device))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, layout, None if caches is None else caches[i])
+            layout.keep(i, x)
         return self.model.norm(x)
+
+    # --- the fused path: one C++ call a layer (clover/kernels/layer.cpp) -----------------------
+
+    fused: list | bool | None = None  # FusedLayer per layer, False where they cannot run
+
+    def fused_layers(self, layout: StepLayout, caches: list[LayerCache] | None) -> list | None:
+        """The fused layers, when this pass can take them: int4 weights in Clover's kernels,
+        inference over float32 KV caches, no draft adapter acting on block tokens (its deltas
+        live in the modules). Built once, on first use."""
+        if caches is None or layout.train is not None or torch.is_grad_enabled():
+            return None
+        adapter = getattr(self, "draft_adapter", None)
+        if adapter is not None and adapter.tokens.index is not None:
+            return None
+        if self.fused is None:
+            self.fused = build_fused_layers(self) or False
+        if not self.fused or any(not isinstance(c, KVCache) or c.dtype != torch.float32
+                                 for c in caches):  # fmt: skip
+            return None
+        return self.fused
+
+    def _fused_backbone(
+        self, fused: list, input_ids: torch.Tensor, layout: StepLayout, caches: list[LayerCache]
+    ) -> torch.Tensor:
+        """`backbone` through the fused layers: input_ids [B, T] -> hidden [B, T, D] bf16."""
+        from clover import kernels
+
+        x = self.model.embed_tokens(input_ids).float()  # [B, T, D], the residual in float32
+        cos, sin = rope_cos_sin(layout.positions, self.inv_freq)  # [B, 1, T, R]
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        lengths, n_commit, n_block = (t.contiguous() for t in layout.counts())
+        for i, (layer, cache) in enumerate(zip(fused, caches)):
+            layer.forward(x, cache.k, cache.v, lengths, n_commit, n_block, cos, sin)
+            layout.keep(i, x)
+        norm = self.model.norm
+        return kernels.load().rms_norm_bf16(x, norm.weight, norm.eps)
+
+
+def build_fused_layers(model: LlamaModel) -> list | None:
+    """One kernels.FusedLayer per decoder layer, from the quantized modules (packed q/k/v and
+    gate/up Int4Linear in Clover's kernels); None where any piece is missing."""
+    from clover import kernels
+    from clover.quant import Int4Linear
+
+    module = kernels.load()
+    if module is None or model.model.embed_tokens.weight.device.type != "cpu":
+        return None
+    c = model.config
+
+    def packed(linear: nn.Module) -> object | None:
+        linear = getattr(linear, "base", linear)  # under a draft adapter's LoRALinear
+        if not isinstance(linear, Int4Linear) or linear.weight is None:
+            return None
+        w = linear.weight
+        return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
+                             w.in_features, linear.bias)  # fmt: skip
+
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [
+            packed(getattr(attn, "fused_q_proj", None)),
+            packed(attn.o_proj),
+            packed(getattr(mlp, "fused_gate_proj", None)),
+            packed(mlp.down_proj),
+        ]
+        if any(p is None for p in parts):
+            return None
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        layers.append(
+            module.FusedLayer(
+                ln1.weight.detach(),
+                ln2.weight.detach(),
+                *parts,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                ln1.eps,
+                kernels.isa(),
+            )  # fmt: skip
+        )
+    return layers
 
 
 # --- checkpoint names -------------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""Clover's CPU kernels: C++ built on first use with `torch.utils.cpp_extension`, then cached.
+
+Why our own: PyTorch's CPU weight-only int4/int8 matmuls re-read and re-dequantize the weights
+for every 4 rows of activations, so a pass over 33 positions cost 14.6x a pass over one (the
+arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once per pass.
+
+- Sources live beside this file; the build lands in `<clover cache>/kernels/<hash>/` (the hash
+  covers the sources, the torch version and the compiler), so an upgrade rebuilds and a second
+  venv with the same sources reuses the build.
+- One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
+  (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
+- Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
+  PyTorch's own kernels; a one-line notice says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCES = (
+    "ops.cpp",
+    "layer.cpp",
+    "attention.cpp",
+    "qgemm_scalar.cpp",
+    "qgemm_avx2.cpp",
+    "qgemm_avx512.cpp",
+)
+HEADERS = ("qgemm.h", "ops.h", "attention.h")
+ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
+
+_state: dict = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _notice(msg: str) -> None:
+    print(f"clover: {msg}", file=sys.stderr)
+
+
+def build_dir(key: str) -> Path:
+    from clover.checkpoints.registry import cache_dir
+
+    return cache_dir() / "kernels" / key
+
+
+def _key(here: Path, compiler: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((here / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(compiler.encode())
+    return h.hexdigest()[:16]
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, built once per source/torch/compiler; None when unavailable."""
+    if "module" in _state:
+        return _state["module"]
+    _state["module"] = None
+    if os.environ.get("CLOVER_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _notice("no C++ compiler found (g++ or clang++; $CXX): using PyTorch's slower kernels")
+        return None
+    here = Path(__file__).parent
+    key = _key(here, compiler)
+    target = build_dir(key)
+    fresh = not any(target.glob("*.so"))
+    if fresh:
+        _notice("building the CPU kernels (once; about a minute)...")
+    try:
+        from torch.utils import cpp_extension
+
+        target.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=f"clover_kernels_{key}",
+            sources=[str(here / s) for s in SOURCES],
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp-simd"],
+            build_directory=str(target),
+            verbose=False,
+        )
+    except Exception as e:  # a failed build must not stop the model: PyTorch's kernels remain
+        first = str(e).strip().splitlines()[:1] or [type(e).__name__]
+        _notice(f"could not build the CPU kernels ({first[0][:160]}): using PyTorch's")
+        return None
+    _state["module"] = module
+    return module
+
+
+def isa() -> int:
+    """The instruction set the kernels use: 2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU kernels are not available")
+    best = module.best_isa()
+    forced = os.environ.get("CLOVER_KERNEL_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"$CLOVER_KERNEL_ISA={forced!r}: one of {', '.join(ISAS)}")
+        return min(ISAS[forced], best)
+    return best

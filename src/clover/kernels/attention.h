@@ -1,0 +1,35 @@
+// Attention over the KV cache for the fused layers (attention.cpp), and the exp they share.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace clover {
+
+// e^x for x <= 88: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor (relative
+// error ~2e-7; float32's own rounding is 6e-8). Inline: loops over it vectorize.
+inline float exp_approx(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+// out [Dh] = softmax(q . K[:end]^T * scale) V[:end]; scores: scratch of >= end floats.
+// avx512: the CPU has AVX-512 F/DQ (used when Dh is a multiple of 16).
+void attend_query(const float* q, const float* K, const float* V, int64_t end, int64_t Dh,
+                  float scale, float* scores, float* out, bool avx512);
+
+}  // namespace clover

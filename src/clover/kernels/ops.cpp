@@ -1,0 +1,139 @@
+// Python bindings of Clover's CPU kernels (built on first use by clover/kernels/__init__.py):
+// argument checks, output allocation and the split of the work over PyTorch's threads.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "ops.h"
+
+namespace clover {
+
+int64_t best_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+namespace {
+
+using TileFn = void (*)(const QGemm&, int64_t, int64_t);
+
+TileFn tile_fn(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "kernel path ", isa, " not supported by this CPU");
+  return isa == 2 ? qgemm_tiles_avx512 : isa == 1 ? qgemm_tiles_avx2 : qgemm_tiles_scalar;
+}
+
+// x [..., K] (float32 or bfloat16) -> bfloat16 [M, K] and, for affine levels, its sums per
+// group [M, K / group] (float32, of the rounded values: what the kernel multiplies)
+void prepare_x(const at::Tensor& x, int64_t group, bool has_low, at::Tensor& xb, at::Tensor& xs) {
+  const int64_t K = x.size(-1), M = x.numel() / K, G = K / group;
+  if (x.scalar_type() == at::kBFloat16) {
+    xb = x.reshape({M, K}).contiguous();
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
+    const at::Tensor xf = x.reshape({M, K}).contiguous();
+    xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    const float* src = xf.data_ptr<float>();
+    uint16_t* dst = reinterpret_cast<uint16_t*>(xb.data_ptr());
+    for (int64_t i = 0; i < M * K; ++i) dst[i] = to_bf16(src[i]);
+  }
+  if (!has_low) return;
+  xs = at::empty({M, G}, x.options().dtype(at::kFloat));
+  group_sums(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, group, xs.data_ptr<float>());
+}
+
+}  // namespace
+
+void group_sums(const uint16_t* xb, int64_t M, int64_t K, int64_t group, float* xs) {
+  for (int64_t i = 0; i < M * (K / group); ++i) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < group; ++k) acc += from_bf16(xb[i * group + k]);
+    xs[i] = acc;
+  }
+}
+
+Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, int64_t group,
+                   bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 8 ? (group == 16 || group == 32) : group == 32, "unsupported group ", group);
+  TORCH_CHECK(N % 16 == 0 && K % group == 0, "N must be a multiple of 16 and K of the group");
+  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kByte, "q: contiguous uint8");
+  TORCH_CHECK(q.numel() == (bits == 4 ? N * K / 2 : N * K), "q holds ", q.numel(), " bytes");
+  TORCH_CHECK(scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "scales: contiguous float32 or float16");
+  TORCH_CHECK(scales.numel() == (has_low ? 2 : 1) * N * (K / group), "scales: wrong size");
+  Packed p;
+  p.q = q, p.scales = scales, p.bits = bits, p.group = group, p.N = N, p.K = K;
+  p.has_low = has_low;
+  if (bias.has_value() && bias->defined()) {
+    p.bias = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(p.bias.numel() == N, "bias must have N values");
+  }
+  return p;
+}
+
+void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M, float* out_f32,
+                uint16_t* out_bf16, int64_t isa) {
+  QGemm a;
+  a.bits = static_cast<int>(w.bits);
+  a.group = static_cast<int>(w.group);
+  a.has_low = w.has_low;
+  a.f16_scales = w.scales.scalar_type() == at::kHalf;
+  a.M = M, a.N = w.N, a.K = w.K;
+  a.xb = xb;
+  a.xsum = xs;
+  a.q = w.q.data_ptr<uint8_t>();
+  a.scales = w.scales.data_ptr();
+  a.bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
+  a.out_f32 = out_f32;
+  a.out_bf16 = out_bf16;
+  const TileFn fn = tile_fn(isa);
+  if (M > 0) at::parallel_for(0, w.N / 16, 1, [&](int64_t t0, int64_t t1) { fn(a, t0, t1); });
+}
+
+namespace {
+
+// y [..., N] = x [..., K] . W^T (+ bias); W packed as qgemm.h describes
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t bits,
+                 int64_t group, bool has_low, int64_t N, const c10::optional<at::Tensor>& bias,
+                 bool out_bf16, int64_t isa) {
+  const Packed w = make_packed(q, scales, bits, group, has_low, N, x.size(-1), bias);
+  at::Tensor xb, xs;
+  prepare_x(x, group, has_low, xb, xs);
+  const int64_t M = xb.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  qgemm_rows(w, reinterpret_cast<const uint16_t*>(xb.data_ptr()),
+             has_low ? xs.data_ptr<float>() : nullptr, M,
+             out_bf16 ? nullptr : out.data_ptr<float>(),
+             out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr, isa);
+  return out.view(sizes);
+}
+
+// The level of row n at k and its group's scale/low, read back from the packed layout.
+at::Tensor unpack_levels(const at::Tensor& q, int64_t bits, int64_t group, int64_t N, int64_t K) {
+  QGemm a;
+  a.bits = static_cast<int>(bits), a.group = static_cast<int>(group), a.N = N, a.K = K;
+  a.q = q.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({N, K}, at::kInt);
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) o[n * K + k] = level_at(a, n, k);
+  return out;
+}
+
+}  // namespace
+}  // namespace clover
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("best_isa", &clover::best_isa, "2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
+  m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");
+  m.def("unpack_levels", &clover::unpack_levels, "levels [N, K] from the packed layout");
+  clover::register_layer(m);
+}

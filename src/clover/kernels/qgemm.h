@@ -1,0 +1,69 @@
+// Weight-only quantized matmul on the CPU: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+//
+// W is stored in tiles of 16 output rows x one quantization group of k, so that one load +
+// unpack yields, for each pair of k, a vector of 16 rows x 2 k as bfloat16 levels: the operand
+// of one `vdpbf16ps` against the pair of x values broadcast to every lane. A tile is unpacked
+// once per pass and used for every row of x, so a pass of M rows reads and unpacks the weights
+// once (the aten int4 kernel re-reads them per 4 rows of x).
+//
+// Levels are small integers, exact in bfloat16, and x is rounded to bfloat16 once, so every
+// product is exact in float32; each group's dot is then scaled:
+//   y[m, n] = sum_g  scale[n, g] * dot_g(x[m], q[n]) + low[n, g] * sum_g(x[m])
+// which is the same as multiplying by the dequantized weights, without rounding them.
+//
+// Layouts (NT = N / 16 tiles, G = K / group groups):
+//   int4 (group 32): q [NT, G, 4, 32] uint16 words, 4 nibbles each: word w of chunk c holds,
+//     in nibble j, the level of row 16t + w / 2 at k = 32g + 8c + 2j + w % 2.
+//   int8 (group 16 or 32): q [NT, G, group / 2, 32] int8: byte w of pair p is row 16t + w / 2
+//     at k = group * g + 2p + w % 2.
+//   scales [NT, G, 16] (then lows [NT, G, 16] when present), float32 or float16.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace clover {
+
+struct QGemm {
+  int bits = 4;           // 4 or 8
+  int group = 32;         // k per scale: 32 for int4; 16 or 32 for int8
+  bool has_low = true;    // affine levels (a low per group) or symmetric
+  bool f16_scales = false;
+  int64_t M = 0, N = 0, K = 0;
+  const uint16_t* xb = nullptr;  // x rounded to bfloat16 [M, K]
+  const float* xsum = nullptr;   // [M, K / group]: sum of xb per group (has_low only)
+  const uint8_t* q = nullptr;
+  const void* scales = nullptr;  // [NT, G, 16] scales, then [NT, G, 16] lows if has_low
+  const float* bias = nullptr;   // [N] or null
+  float* out_f32 = nullptr;      // [M, N], one of the two outputs
+  uint16_t* out_bf16 = nullptr;
+};
+
+// Output tiles [t0, t1) (16 columns each), every row of x. One per instruction set.
+void qgemm_tiles_scalar(const QGemm& a, int64_t t0, int64_t t1);
+void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1);
+void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
+
+// The level of row n at k, and the scale/low of (n, group), read from the packed layout
+// (the scalar path and tests of the layout use these).
+int level_at(const QGemm& a, int64_t n, int64_t k);
+float scale_at(const QGemm& a, int64_t n, int64_t g, bool low);
+
+// float32 -> bfloat16 bits, rounded to nearest even as torch's .to(bfloat16); inline and
+// branch-free so that loops over rows vectorize
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float from_f16(uint16_t h);
+
+}  // namespace clover

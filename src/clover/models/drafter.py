@@ -1,0 +1,399 @@
+"""A block-diffusion drafter on the target's features (the DFlash design, written from its
+description): a few transformer layers that draft a block of tokens in one pass, for the
+target to verify causally (`self_spec` with `draft="drafter"`).
+
+- Context: the target's hidden states after layers `feature_layers` at every committed token,
+  concatenated [k * D], projected (linear + RMSNorm) to the context vector c_t. Each drafter
+  layer reads the context through its own key/value projections of c_t.
+- Block: B positions [the last verified token, MASK x (B - 1)] at positions p .. p + B - 1,
+  embedded with the target's (frozen, not stored) table and a learned [MASK] vector. Queries
+  come from the block; the block sees every context position before p and itself both ways.
+- Output: the target's LM head (frozen) on the final hidden state; block position i >= 1
+  predicts the token at position p + i.
+
+Decoding keeps the context K/V per drafter layer in a `ModelCache` of `KVCache`s: features of
+newly committed tokens are projected once and appended (`commit`), each draft is one block pass
+over it (`block_hidden`). Training runs many blocks of a sequence at once over the whole
+context with an explicit mask (`train_hidden`); both paths share every weight and agree
+(tests/test_drafter.py). Saved as one safetensors file with its config (target and its
+fingerprint, feature layers, block size) in the metadata; loading onto another target is
+refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover.errors import CloverError
+from clover.models.cache import KVCache, ModelCache
+from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
+from clover.models.layout import StepLayout, cached_layout
+
+POSITIVE = (
+    "hidden_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "block_size",
+)
+
+
+@dataclass
+class DrafterConfig:
+    target: str  # what the drafter was trained on (registry name or path), for messages
+    target_fingerprint: str  # `fingerprint(target)`: loading onto another model is refused
+    hidden_size: int
+    vocab_size: int
+    feature_layers: list[int]
+    num_hidden_layers: int = 1  # drafter layers
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    block_size: int = 16
+    mask_token_id: int = 0  # the [MASK] id written to exported configs (the input is learned)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    info: dict = field(default_factory=dict)  # provenance: data, steps, measurements
+
+    def __post_init__(self) -> None:
+        for name in POSITIVE:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise CloverError(f"drafter config: {name} must be a positive integer")
+        if self.block_size < 2:
+            raise CloverError("drafter config: block_size must be >= 2 (a token + a draft)")
+        if not self.feature_layers:
+            raise CloverError("drafter config: feature_layers must name target layers")
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
+            raise CloverError("drafter config: heads must divide evenly, head_dim be even")
+
+
+def fingerprint(model: nn.Module) -> str:
+    """What identifies a target: its shape and the first rows of its embedding table (as
+    bfloat16, so float32, bfloat16 and int4 loads of the same checkpoint agree)."""
+    c = model.config
+    h = hashlib.sha256()
+    h.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers]).encode())
+    rows = model.model.embed_tokens.weight.detach()[:256].to(torch.bfloat16).cpu()
+    h.update(rows.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """Early, middle and late layers (DFlash reads several depths of the target)."""
+    return sorted({max(1, num_layers // 10), num_layers // 2, max(0, num_layers - 2)})
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.nq, self.nkv, self.dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        D = c.hidden_size
+        self.q_proj = nn.Linear(D, self.nq * self.dh, bias=False)
+        self.k_proj = nn.Linear(D, self.nkv * self.dh, bias=False)
+        self.v_proj = nn.Linear(D, self.nkv * self.dh, bias=False)
+        self.o_proj = nn.Linear(self.nq * self.dh, D, bias=False)
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return proj(x).view(B, T, n, self.dh).transpose(1, 2)  # [B, n, T, Dh]
+
+    def context_kv(self, c: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """c [B, T, D] -> k, v [B, Hkv, T, Dh] (k rotated)."""
+        k = apply_rope(self._heads(c, self.k_proj, self.nkv), *rope)
+        return k, self._heads(c, self.v_proj, self.nkv)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple, layout: StepLayout, cache: KVCache
+    ) -> torch.Tensor:
+        """h [B, T, D] block tokens over the context in `cache` -> [B, T, D]."""
+        B, T, _ = h.shape
+        q = self._heads(h, self.q_proj, self.nq)
+        k = self._heads(h, self.k_proj, self.nkv)
+        v = self._heads(h, self.v_proj, self.nkv)
+        out = attend(q, k, v, layout, cache, rope)  # block slots are scratch past the context
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def train_forward(
+        self, h: torch.Tensor, kv_ctx: tuple, rope: tuple, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """h [N, S, D] blocks; kv_ctx: context k, v [N, Hkv, L, Dh]; mask [N, 1, S, L + S]."""
+        N, S, _ = h.shape
+        q = apply_rope(self._heads(h, self.q_proj, self.nq), *rope)
+        k = apply_rope(self._heads(h, self.k_proj, self.nkv), *rope)
+        v = self._heads(h, self.v_proj, self.nkv)
+        k, v = torch.cat([kv_ctx[0], k], 2), torch.cat([kv_ctx[1], v], 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.nq != self.nkv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(N, S, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DrafterAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.fc = nn.Linear(len(c.feature_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, None)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, T, k * D] (the target's, float32) -> context vectors [B, T, D]."""
+        return self.fc_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_inputs(self, first: torch.Tensor, embed: nn.Embedding, width: int) -> torch.Tensor:
+        """first [B] (the last verified tokens) -> [B, width, D]: its embedding, then masks."""
+        e = embed(first).to(self.mask_embedding.dtype)[:, None]
+        masks = self.mask_embedding.expand(first.shape[0], width - 1, -1)
+        return torch.cat([e, masks], 1)
+
+    # --- decoding: the context in a cache -------------------------------------------------------
+
+    def make_cache(self, batch: int) -> ModelCache:
+        c = self.config
+        dtype = self.fc.weight.dtype
+        layers = [KVCache(batch, c.num_key_value_heads, c.head_dim, dtype) for _ in self.layers]
+        return ModelCache(layers, batch, c.max_position_embeddings)
+
+    def commit(self, features: torch.Tensor, counts: torch.Tensor, cache: ModelCache) -> None:
+        """Append the first counts[b] of features [B, T, k * D] to row b's context."""
+        T = features.shape[1]
+        cache.prepare(T, counts)
+        layout = cached_layout(counts, torch.zeros_like(counts), cache.lengths, T)
+        rope = rope_cos_sin(layout.positions, self.inv_freq)
+        c = self.context(features)
+        for layer, lc in zip(self.layers, cache.layers):
+            lc.write(*layer.self_attn.context_kv(c, rope), layout)
+        cache.advance(counts)
+
+    def block_hidden(self, first: torch.Tensor, embed: nn.Embedding, cache: ModelCache,
+                     width: int | None = None) -> torch.Tensor:  # fmt: skip
+        """One draft pass: first [B] -> final hidden [B, width, D] (position i >= 1 predicts
+        the token i places after `first`); nothing is committed."""
+        width = width or self.config.block_size
+        B = first.shape[0]
+        cache.prepare(width)
+        zeros = torch.zeros(B, dtype=torch.long)
+        layout = cached_layout(zeros, torch.full_like(zeros, width), cache.lengths, width)
+        rope = rope_cos_sin(layout.positions, self.inv_freq)
+        h = self.block_inputs(first, embed, width)
+        for layer, lc in zip(self.layers, cache.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
+            h = layer.mlp_residual(h)
+        return self.norm(h)
+
+    # --- training: many blocks of a sequence at once ------------------------------------------
+
+    def train_hidden(self, features: torch.Tensor, n_context: torch.Tensor, first: torch.Tensor,
+                     starts: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:  # fmt: skip
+        """features [N, L, k * D] of N sequences (n_context[n] of them real); blocks: starts
+        [N, S] (block s begins at position starts[n, s] with token first[n, s]) -> hidden
+        [N, S, B, D]. Block s sees context positions < starts[n, s] and its own B positions."""
+        N, L, _ = features.shape
+        S, B = starts.shape[1], self.config.block_size
+        c = self.context(features)
+        ctx_pos = torch.arange(L)[None].expand(N, L)
+        rope_ctx = rope_cos_sin(ctx_pos, self.inv_freq)
+        offs = torch.arange(B)
+        pos = (starts[..., None] + offs).reshape(N, S * B)  # [N, S*B]
+        rope = rope_cos_sin(pos, self.inv_freq)
+        key_ctx = (
+            torch.arange(L)[None, None, :]
+            < torch.minimum(starts.repeat_interleave(B, 1), n_context[:, None])[..., None]
+        )  # [N, S*B, L]
+        blk = torch.arange(S * B) // B
+        key_blk = (blk[:, None] == blk[None, :])[None].expand(N, -1, -1)  # [N, S*B, S*B]
+        mask = torch.cat([key_ctx, key_blk], -1)[:, None]  # [N, 1, S*B, L + S*B]
+        h = self.block_inputs(first.reshape(-1), embed, B).reshape(N, S * B, -1)
+        for layer in self.layers:
+            kv = layer.self_attn.context_kv(c, rope_ctx)
+            h = h + layer.self_attn.train_forward(layer.input_layernorm(h), kv, rope, mask)
+            h = layer.mlp_residual(h)
+        return self.norm(h).reshape(N, S, B, -1)
+
+
+def new_drafter(target: nn.Module, target_name: str, **overrides: object) -> Drafter:
+    """A drafter shaped after `target` (its width, heads, vocabulary), randomly initialised,
+    its [MASK] vector set to the mean of the target's embeddings."""
+    t = target.config
+    d = {
+        "target": target_name,
+        "target_fingerprint": fingerprint(target),
+        "hidden_size": t.hidden_size,
+        "vocab_size": t.vocab_size,
+        "feature_layers": default_feature_layers(t.num_hidden_layers),
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.head_dim,
+        "intermediate_size": t.intermediate_size,
+        "mask_token_id": t.mask_token_id if t.mask_token_id is not None else 0,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta,
+        "max_position_embeddings": t.max_position_embeddings,
+    }
+    d.update(overrides)
+    drafter = Drafter(DrafterConfig(**d))
+    with torch.no_grad():
+        drafter.mask_embedding.copy_(target.model.embed_tokens.weight.float().mean(0))
+    return drafter
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def save_drafter(drafter: Drafter, path: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """One safetensors file, the config in its metadata; written atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in drafter.state_dict().items()}
+    meta = {"format": "pt", "clover_drafter": json.dumps(asdict(drafter.config))}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_drafter_config(path: Path) -> DrafterConfig:
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
+                raise ValueError("no safetensors header")
+            header = json.loads(fh.read(n))
+        d = json.loads(header["__metadata__"]["clover_drafter"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CloverError(f"{path} is not a Clover drafter file: {e}") from None
+    return DrafterConfig(**d)
+
+
+def load_drafter(
+    path: Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32
+) -> Drafter:
+    """The drafter in `path`; with `target`, refused unless it was trained on that model."""
+    from safetensors.torch import load_file
+
+    config = read_drafter_config(path)
+    if target is not None and fingerprint(target) != config.target_fingerprint:
+        raise CloverError(
+            f"{path}: this drafter was trained on {config.target!r} (fingerprint "
+            f"{config.target_fingerprint}), not on the model loaded here ({fingerprint(target)})"
+        )
+    drafter = Drafter(config)
+    state = load_file(str(path))
+    missing = set(drafter.state_dict()) - set(state)
+    if missing:
+        raise CloverError(f"{path}: drafter file lacks {sorted(missing)[:3]}")
+    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    return drafter.to(dtype).eval()
+
+
+# --- the speculators format (vLLM's drafter checkpoints) ------------------------------------
+
+SPECULATORS_VERSION = "0.9.0"  # the format version written (the package's release we follow)
+
+
+def speculators_config(drafter: Drafter, verifier_architectures: list[str]) -> dict:
+    """config.json of a `speculators` DFlash checkpoint for this drafter: the drafter's
+    layers as a llama decoder-layer config, the target's feature layers as
+    `aux_hidden_state_layer_ids`, greedy proposals of block_size - 1 tokens."""
+    c = drafter.config
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "block_size": c.block_size,
+        "draft_vocab_size": c.vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": list(c.feature_layers),
+        "mask_token_id": c.mask_token_id,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        },
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": c.block_size - 1}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": c.target, "architectures": verifier_architectures},
+        },
+    }
+
+
+def speculators_state(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """Our tensors under the format's names: `fc`, `hidden_norm` (after fc), `layers.N.*`,
+    `norm`; the target's embeddings and head are not stored (the verifier's are used). Our
+    learned [MASK] input has no token in the format: it is kept as `mask_embedding`."""
+    out = {}
+    for name, t in drafter.state_dict().items():
+        out[name.replace("fc_norm.", "hidden_norm.")] = t
+    return out
+
+
+def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures: list[str],
+                       force: bool = False) -> Path:  # fmt: skip
+    """Write `out_dir/config.json` + `model.safetensors` in the speculators format."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise CloverError(f"{out_dir} is not empty (use --force to replace it)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = load_drafter(Path(drafter_file))
+    state = {k: v.contiguous() for k, v in speculators_state(drafter).items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = speculators_config(drafter, verifier_architectures)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

@@ -1,0 +1,348 @@
+"""`clover train drafter --config YAML`: a block-diffusion drafter (models/drafter.py) for a
+target, on the distilled answers of `clover data distill`.
+
+Per step: a batch of prompt + answer sequences goes through the frozen target once, without
+gradients, keeping the outputs of `feature_layers` at every position (the same int4 target that
+will verify the drafts, so the drafter learns the features it will see). Blocks start at random
+answer positions p (the block is [token p, MASK x (B - 1)] over the context < p); the drafter's
+outputs at block positions i >= 1 are scored against the teacher at p + i: KL to its top-k
+distribution (`loss: kl`) or cross-entropy on its greedy token (`ce`), weighted
+exp(-(i - 1) / decay) so the first drafts, which decide acceptance, weigh most. Gradients reach
+the drafter only (the target's embedding table and LM head are frozen and shared).
+
+Held-out measure: the mean accepted length of greedy drafts (leading drafted tokens equal to
+the teacher's), on held-out prompts, and separately on held-out *kinds* (`heldout_kinds`: kinds
+never trained on), at fixed block starts. Checkpoints are atomic (`checkpoint/state.pt` plus the
+drafter file); a rerun continues from them; `max_minutes` boxes the run (the cosine schedule is
+refitted to end in the box) and the drafter is written when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from clover.errors import CloverError
+
+
+@dataclass
+class DrafterTrainConfig:
+    target: str  # the model the drafter drafts for (name, GGUF file or HF directory)
+    data: str | list[str]  # `clover data distill` output dir(s)
+    out: str
+    target_dtype: str = "int4"  # what the target runs at when it verifies: its features
+    layers: int = 1  # drafter layers
+    feature_layers: list[int] | None = None  # None: early / middle / late
+    block_size: int = 16
+    blocks_per_sequence: int = 8
+    batch_size: int = 4  # sequences per step
+    steps: int = 2000
+    lr: float = 5e-4
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    loss: str = "kl"  # "kl" to the teacher's top-k, or "ce" on its greedy tokens
+    decay: float = 4.0  # position weight exp(-(i - 1) / decay)
+    max_len: int = 512
+    heldout_kinds: list[str] = field(default_factory=list)  # never trained on; measured apart
+    eval_every: int = 100
+    save_every: int = 100
+    eval_examples: int = 48
+    seed: int = 0
+    device: str = "cpu"
+    max_minutes: float | None = None
+    drafter_file: str | None = None  # default: <out>/drafter.safetensors
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("kl", "ce"):
+            raise CloverError(f"loss must be kl or ce, got {self.loss!r}")
+        if not 1 <= self.layers <= 8:
+            raise CloverError("layers must be 1..8 (a drafter is a few layers)")
+        if self.steps < 1 or self.batch_size < 1 or self.blocks_per_sequence < 1:
+            raise CloverError("steps, batch_size and blocks_per_sequence must be >= 1")
+        if self.block_size < 2 or self.decay <= 0:
+            raise CloverError("block_size must be >= 2 and decay > 0")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise CloverError(f"max_minutes must be > 0, got {self.max_minutes!r}")
+
+    @classmethod
+    def from_yaml(cls, path: Path, **overrides: object) -> DrafterTrainConfig:
+        import yaml
+
+        try:
+            d = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise CloverError(f"cannot read config {path}: {e}") from None
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise CloverError(f"{path}: unknown key(s) {', '.join(unknown)}")
+        return cls(**{**d, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @property
+    def data_dirs(self) -> list[Path]:
+        return [Path(d) for d in ([self.data] if isinstance(self.data, str) else self.data)]
+
+
+def lr_at(step: int, cfg: DrafterTrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (
+        cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
+
+
+# --- data -----------------------------------------------------------------------------------
+
+
+def load_sets(cfg: DrafterTrainConfig) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, held-out prompts of trained kinds, held-out kinds)."""
+    from clover.data.distill import load_examples
+
+    records = [r for d in cfg.data_dirs for r in load_examples(d)]
+    records = [r for r in records if r["answer_ids"] and len(r["prompt_ids"]) + 2 <= cfg.max_len]
+    unseen = [r for r in records if r["kind"] in cfg.heldout_kinds]
+    seen = [r for r in records if r["kind"] not in cfg.heldout_kinds]
+    train = [r for r in seen if r["split"] == "train"]
+    heldout = [r for r in seen if r["split"] != "train"]
+    if not train:
+        raise CloverError(f"{cfg.data}: no training examples (run `clover data distill`)")
+    return train, heldout[: cfg.eval_examples], unseen[: cfg.eval_examples]
+
+
+def target_features(
+    target: torch.nn.Module, records: list[dict], layers: list[int], max_len: int
+) -> tuple:
+    """One causal pass of the frozen target over each prompt + answer (right-padded) ->
+    (features [N, L, k * D] float32, lengths [N], ids [N, L])."""
+    seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in records]
+    L = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])
+    n = torch.tensor([len(s) for s in seqs])
+    with torch.inference_mode():
+        _, feats = target(ids, n_valid=n, capture=tuple(layers))
+    return feats.clone(), n, ids
+
+
+def block_starts(records: list[dict], n: torch.Tensor, S: int, rng: random.Random) -> torch.Tensor:
+    """[N, S] positions p where a block begins: its first token is an answer token (or the
+    first one the target writes) with at least one token after it to predict."""
+    out = []
+    for r, length in zip(records, n.tolist()):
+        lo, hi = len(r["prompt_ids"]), length - 2  # p + 1 <= length - 1
+        out.append([rng.randint(lo, hi) if hi >= lo else lo for _ in range(S)])
+    return torch.tensor(out)
+
+
+def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
+    """Evenly spaced starts over each answer: the same blocks at every evaluation."""
+    out = []
+    for r, length in zip(records, n.tolist()):
+        lo, hi = len(r["prompt_ids"]), max(len(r["prompt_ids"]), length - 2)
+        out.append([lo + (hi - lo) * s // max(1, S - 1) for s in range(S)])
+    return torch.tensor(out)
+
+
+# --- loss -----------------------------------------------------------------------------------
+
+
+def head_weight(target: torch.nn.Module) -> torch.Tensor:
+    """The target's LM head [V, D] as float32 (dequantized if it was quantized)."""
+    head = getattr(target, "quantized_head", None)
+    if head is not None and hasattr(head, "dequantized_weight"):
+        return head.dequantized_weight().float()
+    return target.head_weight().detach().float()
+
+
+def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
+                 cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    feats, n, ids, starts, records = (batch[k] for k in ("feats", "n", "ids", "starts", "records"))
+    N, S = starts.shape
+    B = drafter.config.block_size
+    first = ids.gather(1, starts)
+    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens)  # [N,S,B,D]
+    logp = F.linear(h[:, :, 1:], head).log_softmax(-1)  # [N, S, B-1, V]
+    pos = starts[..., None] + torch.arange(1, B)  # [N, S, B-1] positions predicted
+    valid = pos < n[:, None, None]
+    weight = torch.exp(-(torch.arange(B - 1).float()) / cfg.decay)[None, None] * valid
+    labels = ids.gather(1, pos.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(N, S, B - 1)
+    if cfg.loss == "ce":
+        per = -logp.gather(-1, labels[..., None])[..., 0]
+    else:  # KL(teacher top-k || drafter) at each answer position
+        k = len(records[0]["topk_ids"][0])
+        tid = torch.zeros(N, S, B - 1, k, dtype=torch.long)
+        tlp = torch.full((N, S, B - 1, k), -1e9)
+        for i, r in enumerate(records):
+            P = len(r["prompt_ids"])
+            ti, tl = torch.tensor(r["topk_ids"]), torch.tensor(r["topk_logprobs"])
+            a = (pos[i] - P).clamp(0, len(r["topk_ids"]) - 1)  # answer index predicted
+            tid[i], tlp[i] = ti[a], tl[a]
+        tp = tlp.log_softmax(-1)
+        per = (tp.exp() * (tp - logp.gather(-1, tid))).sum(-1)
+    loss = (per * weight).sum() / weight.sum().clamp(min=1)
+    with torch.no_grad():
+        hits = (logp.argmax(-1) == labels) & valid
+        run = hits.long().cumprod(-1).sum(-1).float()  # leading drafts the teacher agrees with
+    return loss, {
+        "loss": float(loss.detach()),
+        "accepted": float(run.mean()),
+        "top1": float(hits[..., 0].float().mean()),
+    }
+
+
+def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, records: list[dict],
+             cfg: DrafterTrainConfig) -> dict:  # fmt: skip
+    """Mean accepted draft length (greedy drafts vs the teacher's tokens) at fixed blocks."""
+    if not records:
+        return {}
+    drafter.eval()
+    runs, first = [], []
+    with torch.no_grad():
+        for i in range(0, len(records), cfg.batch_size):
+            chunk = records[i : i + cfg.batch_size]
+            feats, n, ids = target_features(
+                target, chunk, drafter.config.feature_layers, cfg.max_len
+            )
+            starts = fixed_starts(chunk, n, cfg.blocks_per_sequence)
+            batch = {"feats": feats, "n": n, "ids": ids, "starts": starts, "records": chunk}
+            _, info = drafter_loss(drafter, target, head, batch, replace(cfg, loss="ce"))
+            runs.append(info["accepted"])
+            first.append(info["top1"])
+    drafter.train()
+    return {
+        "accepted": round(sum(runs) / len(runs), 4),
+        "first_token": round(sum(first) / len(first), 4),
+    }
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def _save(
+    out: Path, drafter: object, opt: torch.optim.Optimizer, state: dict, cfg: DrafterTrainConfig
+) -> None:
+    from clover.models.drafter import save_drafter
+
+    tmp = out / ".checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(
+        {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), **state}, tmp / "state.pt"
+    )
+    final, old = out / "checkpoint", out / ".checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.replace(old)
+    tmp.replace(final)
+    shutil.rmtree(old, ignore_errors=True)
+    save_drafter(drafter, Path(cfg.drafter_file or out / "drafter.safetensors"))
+
+
+def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | None = None) -> dict:
+    """Train (or continue) a drafter; `until` stops at that step as a killed run would."""
+    from clover.engine import LLM
+    from clover.models.drafter import new_drafter
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(cfg.target, dtype=cfg.target_dtype, progress=progress)
+    target = llm.model
+    for p in target.parameters():
+        p.requires_grad_(False)
+    train, heldout, unseen = load_sets(cfg)
+    torch.manual_seed(cfg.seed)
+    overrides = {"num_hidden_layers": cfg.layers, "block_size": cfg.block_size}
+    if cfg.feature_layers:
+        overrides["feature_layers"] = list(cfg.feature_layers)
+    drafter = new_drafter(target, cfg.target, **overrides).float().train()
+    head = head_weight(target)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)
+    step, order, elapsed = 0, [], 0.0
+    ckpt = out / "checkpoint" / "state.pt"
+    if ckpt.exists():  # continue: the drafter, optimizer, data order and schedule
+        state = torch.load(ckpt, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        step, order, elapsed = state["step"], state["order"], state.get("elapsed", 0.0)
+        cfg = replace(cfg, steps=state.get("steps", cfg.steps))
+        rng.setstate(state["rng"])
+        if state.get("feature_layers") != drafter.config.feature_layers:
+            raise CloverError(
+                f"{out}: the checkpoint was made with feature layers "
+                f"{state.get('feature_layers')}, not {drafter.config.feature_layers}"
+            )
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="drafter", unit="step")
+    start, start_step = time.perf_counter() - elapsed, step
+    stop_at = min(cfg.steps, until or cfg.steps)
+    last: dict = {}
+    while step < stop_at:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        if len(order) < cfg.batch_size:
+            fresh = list(range(len(train)))
+            rng.shuffle(fresh)
+            order += fresh
+        chunk = [train[i] for i in order[: cfg.batch_size]]
+        order = order[cfg.batch_size :]
+        feats, n, ids = target_features(target, chunk, drafter.config.feature_layers, cfg.max_len)
+        starts = block_starts(chunk, n, cfg.blocks_per_sequence, rng)
+        batch = {"feats": feats, "n": n, "ids": ids, "starts": starts, "records": chunk}
+        loss, info = drafter_loss(drafter, target, head, batch, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        now = time.perf_counter() - start
+        if cfg.max_minutes is not None and step - start_step >= 10:  # refit the schedule
+            per_step = now / step
+            fit = int(cfg.max_minutes * 60 / per_step)
+            if fit < cfg.steps:
+                cfg = replace(cfg, steps=max(step + 1, fit))
+                stop_at = min(cfg.steps, until or cfg.steps)
+        last = {"step": step, "lr": lr_at(step - 1, cfg), **info, "seconds": round(now, 1)}
+        if step % cfg.eval_every == 0 or step == stop_at:
+            last["heldout"] = evaluate(drafter, target, head, heldout, cfg)
+            last["heldout_kinds"] = evaluate(drafter, target, head, unseen, cfg)
+        metrics.write(json.dumps(last) + "\n")
+        metrics.flush()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{info['loss']:.3f}", acc=f"{info['accepted']:.2f}")
+        if step % cfg.save_every == 0 or step == stop_at:
+            state = {
+                "step": step,
+                "order": order,
+                "steps": cfg.steps,
+                "rng": rng.getstate(),
+                "elapsed": now,
+                "feature_layers": drafter.config.feature_layers,
+            }
+            drafter.config.info = {
+                "steps": step,
+                "seconds": round(now),
+                "data": [str(d) for d in cfg.data_dirs],
+                "loss": cfg.loss,
+                "heldout": last.get("heldout"),
+                "heldout_kinds": last.get("heldout_kinds"),
+            }
+            _save(out, drafter, opt, state, cfg)
+    if bar is not None:
+        bar.close()
+    metrics.close()
+    return last

@@ -1,0 +1,192 @@
+"""The block-diffusion drafter: target features, decode path == training path, files, training."""
+
+import json
+
+import pytest
+import torch
+
+from clover.errors import CloverError
+from clover.models.drafter import (
+    fingerprint,
+    load_drafter,
+    new_drafter,
+    read_drafter_config,
+    save_drafter,
+)
+from tests.conftest import tiny_model
+
+
+def test_capture_returns_the_outputs_of_the_named_layers():
+    model = tiny_model(num_hidden_layers=3)
+    ids = torch.randint(4, 64, (2, 7))
+    seen = {}
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o))
+        for k, layer in enumerate(model.model.layers)
+    ]
+    with torch.inference_mode():
+        hidden, feats = model(ids, capture=(2, 0))
+        plain = model(ids)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(hidden, plain)
+    D = model.config.hidden_size
+    assert feats.shape == (2, 7, 2 * D)
+    torch.testing.assert_close(feats[..., :D], seen[2].float())
+    torch.testing.assert_close(feats[..., D:], seen[0].float())
+    with pytest.raises(CloverError, match="layer ids"):
+        with torch.inference_mode():
+            model(ids, capture=(7,))
+
+
+def test_capture_on_the_fused_layers_matches_the_modules():
+    from clover import kernels
+    from tests.test_kernels import fused_and_modules, tiny_llama
+
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler here")
+    fast, ref = fused_and_modules(tiny_llama())
+    ids = torch.randint(4, 256, (1, 6))
+    with torch.inference_mode():
+        _, a = fast(ids, capture=(0, 1))
+        _, b = ref(ids, capture=(0, 1))
+    assert fast.fused and a.dtype == torch.float32
+    assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
+
+
+def drafter_for(model, **kw):
+    torch.manual_seed(0)
+    d = new_drafter(model, "tiny", feature_layers=[0, 1], num_hidden_layers=2, block_size=4, **kw)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return d.eval()
+
+
+def test_decode_path_equals_training_path():
+    """commit (context in a cache, in two chunks, two rows of different lengths) + one block
+    pass gives the same block outputs as the training pass over the whole context."""
+    model = tiny_model()
+    drafter = drafter_for(model)
+    feats = torch.randn(2, 9, 2 * model.config.hidden_size)
+    embed = model.model.embed_tokens
+    n = torch.tensor([9, 6])
+    first = torch.tensor([5, 7])
+    with torch.no_grad():
+        want = drafter.train_hidden(feats, n, first[:, None], n[:, None], embed)[:, 0]
+        cache = drafter.make_cache(2)
+        drafter.commit(feats[:, :4], torch.tensor([4, 4]), cache)
+        drafter.commit(feats[:, 4:], torch.tensor([5, 2]), cache)
+        got = drafter.block_hidden(first, embed, cache)
+    assert torch.equal(cache.lengths, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # several blocks at once in training: each sees only the context before its start
+    with torch.no_grad():
+        starts = torch.tensor([[3, 9], [2, 6]])
+        both = drafter.train_hidden(feats, n, torch.tensor([[1, 5], [2, 7]]), starts, embed)
+        for row in range(2):
+            for s in range(2):
+                c = drafter.make_cache(1)
+                p = int(starts[row, s])
+                drafter.commit(feats[row : row + 1, :p], torch.tensor([p]), c)
+                one = drafter.block_hidden(torch.tensor([[1, 5], [2, 7]][row][s : s + 1]), embed, c)
+                torch.testing.assert_close(one[0], both[row, s], rtol=1e-4, atol=1e-5)
+
+
+def test_drafter_file_round_trip_and_wrong_target(tmp_path):
+    model = tiny_model()
+    drafter = drafter_for(model)
+    path = save_drafter(drafter, tmp_path / "d.safetensors", dtype=torch.float32)
+    config = read_drafter_config(path)
+    assert config.feature_layers == [0, 1] and config.block_size == 4
+    assert config.target_fingerprint == fingerprint(model)
+    back = load_drafter(path, model)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    other = tiny_model(seed=1)
+    with pytest.raises(CloverError, match="trained on 'tiny'"):
+        load_drafter(path, other)
+    # the same checkpoint at another precision is the same target
+    assert fingerprint(model.to(torch.bfloat16)) == config.target_fingerprint
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(CloverError, match="not a Clover drafter"):
+        read_drafter_config(tmp_path / "junk.safetensors")
+
+
+@pytest.fixture(scope="module")
+def data(tiny_checkpoint, tmp_path_factory):
+    from clover.data.distill import distill
+
+    out = tmp_path_factory.mktemp("distill-drafter")
+    distill(str(tiny_checkpoint), out, 40, max_tokens=16, batch_size=8, top_k=4,
+            dtype="float32", progress=False)  # fmt: skip
+    return out
+
+
+def drafter_config(tiny_checkpoint, data, out, **kw):
+    from clover.train.drafter import DrafterTrainConfig
+
+    base = dict(target=str(tiny_checkpoint), data=str(data), out=str(out), target_dtype="float32",
+                block_size=4, blocks_per_sequence=3, batch_size=4, steps=8, lr=3e-3, warmup=1,
+                eval_every=4, save_every=2, eval_examples=8, seed=1)  # fmt: skip
+    return DrafterTrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("loss", ["kl", "ce"])
+def test_drafter_training_learns_and_writes_a_loadable_file(tiny_checkpoint, data, tmp_path, loss):
+    from clover.engine import LLM
+    from clover.train.drafter import train_drafter
+
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "run", steps=16, loss=loss)
+    last = train_drafter(cfg, progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 16 and lines[-1]["loss"] < lines[0]["loss"]
+    assert "accepted" in last["heldout"]
+    target = LLM(str(tiny_checkpoint), progress=False).model
+    drafter = load_drafter(tmp_path / "run" / "drafter.safetensors", target)
+    assert drafter.config.info["steps"] == 16
+
+
+def test_drafter_training_resumes_exactly(tiny_checkpoint, data, tmp_path):
+    from clover.train.drafter import train_drafter
+
+    train_drafter(drafter_config(tiny_checkpoint, data, tmp_path / "full"), progress=False)
+    part = drafter_config(tiny_checkpoint, data, tmp_path / "part")
+    train_drafter(part, progress=False, until=4)
+    train_drafter(part, progress=False)
+
+    def losses(d):
+        lines = (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+        return [round(json.loads(x)["loss"], 5) for x in lines]
+
+    assert losses("full") == losses("part")
+
+
+def test_export_in_the_speculators_format(tmp_path):
+    """The written config carries the format's keys (speculators_model_type,
+    speculators_config with algorithm / proposals / verifier, block size, mask token, feature
+    layer ids) and the weights its names; the CLI takes a drafter file."""
+    from safetensors.torch import load_file
+
+    from clover.cli import main
+
+    model = tiny_model()
+    path = save_drafter(drafter_for(model), tmp_path / "d.safetensors", dtype=torch.float32)
+    assert main(["export", str(path), str(tmp_path / "spec")]) == 0
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["aux_hidden_state_layer_ids"] == [0, 1] and config["block_size"] == 4
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3}]
+    assert spec["verifier"]["name_or_path"] == "tiny"
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 2 and layer["hidden_size"] == model.config.hidden_size
+    names = set(load_file(str(tmp_path / "spec" / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "mask_embedding"} <= names
+    assert "layers.1.self_attn.q_proj.weight" in names and "layers.0.mlp.down_proj.weight" in names
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+    with pytest.raises(CloverError, match="not empty"):
+        from clover.models.drafter import export_speculators
+
+        export_speculators(path, tmp_path / "spec", ["LlamaForCausalLM"])

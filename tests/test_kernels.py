@@ -1,0 +1,213 @@
+"""Clover's CPU kernels against their references: the quantized matmul on every instruction
+set this CPU has, for every row count class, and the fused llama layers against the modules."""
+
+import copy
+
+import pytest
+import torch
+
+from clover import kernels
+from clover.errors import CloverError
+from clover.kernels.qgemm import QWeight, pack_scales, reference_matmul
+from clover.models.llama import LlamaConfig, LlamaModel
+from clover.quant import Int4Linear, quantize_model
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler here")
+
+ROWS = (1, 3, 4, 5, 8, 17, 33)  # one row, tile edges of 4 and 12, several blocks, remainders
+
+
+def available_isas() -> list[str]:
+    best = kernels.load().best_isa()
+    return [name for name, level in kernels.ISAS.items() if level <= best]
+
+
+def random_weight(kind: str, N: int, K: int, f16: bool, seed: int = 0) -> QWeight:
+    g = torch.Generator().manual_seed(seed)
+    bits, group, low = {"int4": (4, 32, True), "int8": (8, 32, False),
+                        "int8g16": (8, 16, False), "int8low": (8, 32, True)}[kind]  # fmt: skip
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (N, K), generator=g)
+    scale = torch.rand(N, K // group, generator=g) * 0.05 + 1e-3
+    lows = torch.randn(N, K // group, generator=g) * 0.1 if low else None
+    if f16:  # values a float16 holds exactly: stored in 16 bits
+        scale = scale.half().float()
+        lows = None if lows is None else lows.half().float()
+    return QWeight.from_levels(q, scale, lows, bits=bits)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low"])
+def test_qgemm_matches_reference(isa, kind, monkeypatch):
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    N, K = 48, 96
+    for f16 in (True, False):
+        w = random_weight(kind, N, K, f16)
+        assert (w.scales.dtype == torch.float16) == f16
+        bias = torch.randn(N)
+        for M in ROWS:
+            x = torch.randn(M, K)
+            ref = reference_matmul(x, w, bias)
+            tol = 1e-5 * float((x.abs() @ w.dequantized().abs().t()).max() + 1)
+            out = w.matmul(x, bias, out_bf16=False)
+            assert out.dtype == torch.float32 and out.shape == (M, N)
+            assert (out.double() - ref).abs().max() < tol, (isa, kind, f16, M)
+            half = w.matmul(x.to(torch.bfloat16), bias)  # bfloat16 in and out
+            assert half.dtype == torch.bfloat16
+            torch.testing.assert_close(half.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+
+
+def test_packed_layout_round_trip():
+    for kind in ("int4", "int8", "int8g16"):
+        g = torch.Generator().manual_seed(1)
+        lo, hi = (0, 16) if kind == "int4" else (-128, 128)
+        q = torch.randint(lo, hi, (32, 64), generator=g)
+        group = 16 if kind == "int8g16" else 32
+        w = QWeight.from_levels(
+            q, torch.ones(32, 64 // group), None, bits=4 if kind == "int4" else 8
+        )
+        assert torch.equal(w.levels(), q.to(torch.int32))
+
+
+def test_scales_stored_in_float16_only_when_exact():
+    exact = torch.tensor([[0.5, 0.25]] * 16)
+    assert pack_scales(exact, None).dtype == torch.float16
+    assert pack_scales(exact + 1e-7, None).dtype == torch.float32
+
+
+def test_odd_sizes_are_refused_with_a_clear_error():
+    q = torch.zeros(40, 64, dtype=torch.int32)  # 40 rows: not whole tiles of 16
+    with pytest.raises(CloverError, match="multiple of 16"):
+        QWeight.from_levels(q, torch.ones(40, 2), torch.zeros(40, 2))
+    with pytest.raises(CloverError, match="groups of 32"):
+        QWeight.from_levels(torch.zeros(32, 48, dtype=torch.int32), torch.ones(32, 3), None)
+    with pytest.raises(CloverError, match="outside 0..15"):
+        QWeight.from_levels(torch.full((16, 32), 16), torch.ones(16, 1), torch.zeros(16, 1))
+
+
+def test_int4_linear_from_given_levels_keeps_them():
+    """Levels handed over (e.g. a GGUF Q4_K sub-block: scale = d * sc, low = -dmin * m) stay
+    exactly as given, with float32 scales where float16 cannot hold them."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (32, 64), generator=g)
+    scale = torch.rand(32, 2, generator=g) * 0.01  # not float16 values: kept in float32
+    low = -torch.rand(32, 2, generator=g) * 0.1
+    lin = Int4Linear.from_levels(q, scale, low)
+    assert torch.equal(lin.weight.levels(), q.to(torch.int32))
+    assert lin.weight.scales.dtype == torch.float32
+    w = (q.float().reshape(32, 2, 32) * scale[..., None] + low[..., None]).reshape(32, 64)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(lin(x).float(), x.bfloat16().float() @ w.t(), rtol=1e-2, atol=1e-2)
+
+
+def tiny_llama(model_type: str = "llama", **kw) -> LlamaModel:
+    torch.manual_seed(0)
+    c = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                    mask_token_id=3, model_type=model_type, **kw)  # fmt: skip
+    model = LlamaModel(c).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+def fused_and_modules(model: LlamaModel) -> tuple[LlamaModel, LlamaModel]:
+    fast = quantize_model(copy.deepcopy(model))
+    ref = quantize_model(copy.deepcopy(model))
+    ref.fused = False  # the module path: the reference
+    return fast, ref
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_layers_match_the_modules(model_type):
+    """Prefill with padding (rows of different lengths), AR steps, a block pass with commits
+    in front, a verify-like causal pass, and a wide pass (PyTorch's attention inside)."""
+    model = tiny_llama(model_type)
+    fast, ref = fused_and_modules(model)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 256, (2, 9), generator=g)
+    valid = torch.tensor([9, 6])
+    block = {"mode": "block", "n_commit": torch.tensor([1, 2])}
+    passes = [
+        (ids, {"n_valid": valid}),
+        (ids[:, :1], {}),
+        (torch.randint(4, 256, (2, 5), generator=g), block),
+        (torch.randint(4, 256, (2, 4), generator=g), {}),
+        (torch.randint(4, 256, (2, 70), generator=g), {}),
+    ]
+    with torch.inference_mode():
+        cf, cr = fast.make_cache(2), ref.make_cache(2)
+        for x, kw in passes:
+            a, b = fast(x, cf, **kw), ref(x, cr, **kw)
+            assert fast.fused and not ref.fused
+            scale = float(b.float().abs().max())
+            assert float((a.float() - b.float()).abs().max()) < 0.02 * scale
+            la, lb = fast.logits(a), ref.logits(b)
+            assert float((la.argmax(-1) == lb.argmax(-1)).float().mean()) > 0.9
+            assert torch.equal(cf.lengths, cr.lengths)
+        for lf, lr in zip(cf.layers, cr.layers):  # the committed K/V agree too
+            n = int(cf.lengths.min())
+            torch.testing.assert_close(lf.k[:, :, :n], lr.k[:, :, :n], rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+def test_fused_layers_on_every_instruction_set(isa, monkeypatch):
+    """The same fused pass on each path (qgemm and attention per instruction set) agrees with
+    the modules; float32 in, so only the kernels differ."""
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    fast, ref = fused_and_modules(tiny_llama())
+    ids = torch.randint(4, 256, (1, 12))
+    with torch.inference_mode():
+        a, b = fast(ids), ref(ids)
+    assert fast.fused
+    assert float((a.float() - b.float()).abs().max()) < 0.02 * float(b.float().abs().max())
+
+
+def test_fused_layers_stay_off_for_block_tokens_of_a_draft_adapter():
+    from clover.models.adapter import AdapterConfig, attach_adapter
+
+    model = tiny_llama()
+    attach_adapter(model, AdapterConfig(rank=4))
+    fast = quantize_model(model)
+    with torch.inference_mode():
+        cache = fast.make_cache(1)
+        fast(torch.randint(4, 256, (1, 6)), cache)
+        assert fast.fused  # causal: fused
+        seen = []
+        original = fast.fused_layers
+
+        def spy(layout, caches):
+            out = original(layout, caches)
+            seen.append(out is not None)
+            return out
+
+        fast.fused_layers = spy
+        fast(torch.tensor([[5, 3, 3]]), cache, "block", n_commit=1)
+        fast(torch.tensor([[5]]), cache)
+    assert seen == [False, True]
+
+
+def test_without_a_compiler_the_pytorch_kernels_run(monkeypatch, capsys):
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    assert kernels.load() is None
+    assert "no C++ compiler" in capsys.readouterr().err
+    model = tiny_llama()
+    q = quantize_model(copy.deepcopy(model))
+    lin = q.model.layers[0].mlp.down_proj
+    assert isinstance(lin, Int4Linear) and lin.weight is None  # PyTorch's int4 layout
+    with torch.inference_mode():
+        ids = torch.randint(4, 256, (1, 7))
+        ref = model.logits(model(ids))
+        got = q.logits(q(ids))
+    assert not q.fused
+    assert float((got - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+def test_forced_instruction_set(monkeypatch):
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", "portable")
+    assert kernels.isa() == 0
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", "sse9")
+    with pytest.raises(ValueError, match="CLOVER_KERNEL_ISA"):
+        kernels.isa()
