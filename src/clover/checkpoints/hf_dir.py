@@ -166,6 +166,25 @@ def check_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str)
             )
 
 
+def check_dir(directory: Path) -> object:
+    """config.json and the safetensors headers (no weights read) -> the validated config, the
+    tensors' names and shapes checked against the architecture built on the meta device (the
+    family's `sanitize` runs on shapes alone). `clover info DIR`."""
+    config = make_config(read_config(directory))
+    with torch.device("meta"):
+        model = build_model(config)
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(directory):
+        with _open(f) as (_, _, header):
+            for name, info in header.items():
+                kind = SAFETENSORS_DTYPES.get(info["dtype"], torch.float32)
+                state[name] = torch.empty(info["shape"], dtype=kind, device="meta")
+    with torch.device("meta"):
+        state = architecture(config.model_type).sanitize(state, config)
+    check_state(model, state, str(directory))
+    return config
+
+
 def model_from_state(
     config_dict: dict, state: dict[str, torch.Tensor], source: str, dtype: torch.dtype
 ) -> DiffusionLM:
@@ -187,13 +206,24 @@ def model_from_state(
     return model.eval()
 
 
+def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names its family publishes (`to_checkpoint`, where the
+    family has one: e.g. the Clover hybrid in the Qwen3.5 layout plus its own tensors), on the
+    CPU and contiguous; `model_from_state` reads them back."""
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    arch = architecture(model.config.model_type)
+    if hasattr(arch, "to_checkpoint"):
+        state = {k: v.contiguous() for k, v in arch.to_checkpoint(state, model.config).items()}
+    return state
+
+
 def save_checkpoint(model: DiffusionLM, directory: Path, extra_files: Iterable[Path] = ()) -> Path:
     """Write config.json + model.safetensors (+ tokenizer files) atomically into `directory`."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        state = checkpoint_state(model)
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
         for f in extra_files:

@@ -212,6 +212,20 @@ def _levels_from_file(quant: GGUFQuant, files: list[Path], name: str) -> tuple:
     return quant.levels(name, read_tensor(files, name))
 
 
+def mask_from_tokenizer(config: object, tokenizer: Tokenizer) -> None:
+    """A family that names its [MASK] token only in the tokenizer (`config.mask_token`, e.g.
+    SDAR's `<|MASK|>`, Fast-dLLM v2's `|<MASK>|`) gets its id from there; a model with no
+    [MASK] at all decodes autoregressively by default (its block decoders need one)."""
+    text = getattr(config, "mask_token", None)
+    if config.mask_token_id is None and text:
+        config.mask_token_id = tokenizer.token_to_id(text)
+        if config.mask_token_id is None or config.mask_token_id >= config.vocab_size:
+            raise CloverError(f"the tokenizer has no {text} token in the model's vocabulary "
+                              "(the [MASK] this model needs)")  # fmt: skip
+    if config.mask_token_id is None and config.default_decoder != "ar":
+        config.default_decoder = "ar"
+
+
 def _preset_model(name: str, progress: bool) -> tuple[DiffusionLM, Tokenizer]:
     """A Clover-architecture preset with random weights (seed 0) and the default model's
     tokenizer: it exercises the whole mechanism; its output is meaningless."""
@@ -258,6 +272,7 @@ def load(
         resolved = resolve(model, progress=progress)
         directory = prepare_checkpoint(resolved, progress)
         config = read_config(directory)
+        make_config(config)  # an unknown or refused family says so before any weight is read
         if dtype == "auto":
             dtype = auto_dtype(config)
         quant, later = int4_later(directory, config, wide) if dtype == "int4" else (None, set())
@@ -272,6 +287,7 @@ def load(
             adapter = entry.adapter_path
         for key, value in (entry.decoding if entry else {}).items():
             setattr(net.config, key, value)
+        mask_from_tokenizer(net.config, tokenizer)
     check_model_defaults(net.config)
     if adapter is not None:
         from clover.models.adapter import load_adapter
