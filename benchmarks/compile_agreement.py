@@ -23,7 +23,7 @@ from clover.engine import LLM, GenerationSettings
 
 def answer(llm: LLM, prompt: list[int], settings: GenerationSettings) -> list[int]:
     out: list = []
-    for _ in llm.stream([prompt], settings, out):
+    for _ in llm.stream([prompt], settings, out, cached=False):  # no prefix-cache effects
         pass
     return out[0].token_ids
 

@@ -59,7 +59,7 @@ def main() -> None:
                 decoder=decoder, block_size=block, threshold=args.threshold, max_tokens=args.tokens
             )
             out: list = []
-            for _ in llm.stream([ids], s, out):
+            for _ in llm.stream([ids], s, out, cached=False):  # every run prefills in full
                 pass
             c = out[0]
             entry = stats[f"{decoder}/{block}"]

@@ -18,15 +18,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
-import sys
 import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+from serve_client import percentile, start_server, stop_server
 
 PROMPTS = [
     "What is the capital of France?",
@@ -38,29 +36,6 @@ PROMPTS = [
     "Name three planets of the solar system.",
     "Why is the sky blue? One sentence.",
 ]
-
-
-def start_server(args: argparse.Namespace, max_running: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "clover.cli", "serve", "--model", args.model]
-    cmd += ["--dtype", args.dtype, "--port", "0", "--max-running", str(max_running)]
-    cmd += ["--max-queue", "1024", "--max-tokens", str(args.max_tokens)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    banner = proc.stdout.readline()
-    if " at http://" not in banner:
-        proc.kill()
-        raise SystemExit(f"server did not start: {banner!r}")
-    url = banner.split(" at ", 1)[1].split(" ", 1)[0]
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready")
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> dict:
@@ -124,12 +99,6 @@ def run_level(url: str, concurrency: int, total: int, max_tokens: int) -> dict:
     }
 
 
-def percentile(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -144,7 +113,10 @@ def main() -> None:
     modes = {"batched": args.batched_running, "one_at_a_time": 1}
     results: dict[str, dict] = {}
     for mode, running in modes.items():
-        proc, url = start_server(args, running)
+        proc, url = start_server(
+            args.model, args.dtype, "--max-running", str(running), "--max-queue", "1024",
+            "--max-tokens", str(args.max_tokens),
+        )  # fmt: skip
         try:
             one_request(url, PROMPTS[0], 8)  # warm-up
             results[mode] = {}
@@ -153,8 +125,7 @@ def main() -> None:
                 results[mode][str(c)] = level = run_level(url, c, n, args.max_tokens)
                 print(f"{mode:>14} c={c:<3} {json.dumps(level)}", flush=True)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
     ratio = {
         str(c): {
             key: round(results["batched"][str(c)][key] / results["one_at_a_time"][str(c)][key], 2)

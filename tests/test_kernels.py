@@ -211,3 +211,11 @@ def test_forced_instruction_set(monkeypatch):
     monkeypatch.setenv("CLOVER_KERNEL_ISA", "sse9")
     with pytest.raises(ValueError, match="CLOVER_KERNEL_ISA"):
         kernels.isa()
+
+
+def test_a_build_killed_midway_does_not_block_later_loads(tmp_path):
+    """PyTorch's build lock is a plain file; a build killed midway leaves it behind. Under our
+    OS lock (freed when its holder dies) the next load removes it instead of waiting forever."""
+    (tmp_path / "lock").write_text("")
+    with kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()

@@ -194,6 +194,9 @@ def scripted_loader(checkpoint: Path, answers: dict[bool, str], confidence=None)
         llm = LLM(str(checkpoint), dtype="float32", progress=False)
         llm.model = ScriptedLM(llm, answers, confidence)
         llm.config = llm.model.config
+        # it tells the prompt from the answer by the row's first pass, which a prefix-cache
+        # hit would skip: no prefix cache, whatever the server's options say
+        llm.set_prefix_cache = lambda _mb: LLM.set_prefix_cache(llm, 0)
         load.model = llm.model
         return llm
 

@@ -27,6 +27,7 @@ def peak_rss_mb() -> float:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
+    p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter)")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -98,20 +99,30 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
 def _load(a: argparse.Namespace, quiet: bool = False) -> object:
     from clover.engine import LLM
 
-    return LLM(
+    llm = LLM(
         a.model,
         dtype=a.dtype,
         progress=not quiet,
         adapter=getattr(a, "adapter", None),
         compile=getattr(a, "compile", False),
         device=getattr(a, "device", "cpu"),
+        drafter=getattr(a, "drafter", None),
     )
+    if getattr(a, "prefix_cache_mb", None) is not None:
+        llm.set_prefix_cache(a.prefix_cache_mb)
+    return llm
 
 
-def _run_stream(llm: object, prompt: list[int], settings: GenerationSettings, echo: bool):
+def _run_stream(
+    llm: object,
+    prompt: list[int],
+    settings: GenerationSettings,
+    echo: bool,
+    marks: tuple[int, ...] = (),
+):
     """Stream one answer to stdout; Ctrl-C ends the answer early. -> (Completion, interrupted)."""
     out: list[Completion] = []
-    stream = llm.stream([prompt], settings, out)
+    stream = llm.stream([prompt], settings, out, [marks])
     interrupted = False
     try:
         for delta in stream:
@@ -183,6 +194,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def chat_turn(
+    llm: object, settings: GenerationSettings, messages: list[dict], echo: bool = True
+) -> tuple[Completion | None, bool]:
+    """One `clover chat` answer to the conversation so far (the prefix cache keeps the
+    earlier turns, so only what is new is prefilled). -> (Completion, interrupted)."""
+    prompt = llm.chat_prompt(messages)
+    return _run_stream(llm, prompt, settings, echo, llm.chat_marks(messages, prompt))
+
+
 def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
     llm = _load(a)
     settings = llm.default_settings(_settings(a))
@@ -208,8 +228,7 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
             continue
         history.append({"role": "user", "content": line})
         try:
-            prompt = llm.chat_prompt(system + history)
-            c, interrupted = _run_stream(llm, prompt, settings, echo=True)
+            c, interrupted = chat_turn(llm, settings, system + history)
         except CloverError as e:  # e.g. the conversation outgrew the context
             history.pop()
             print(f"error: {e}", file=sys.stderr)
@@ -220,7 +239,11 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
             continue
         history.append({"role": "assistant", "content": c.text})
         if a.verbose:
-            print(f"[{c.output_tokens} tokens, TPF {c.tpf:.2f}, {c.tokens_per_s:.1f} tok/s]")
+            print(
+                f"[{c.output_tokens} tokens, TPF {c.tpf:.2f}, {c.tokens_per_s:.1f} tok/s, "
+                f"first text {c.ttft:.2f}s, prompt {c.prompt_tokens} tokens "
+                f"({c.cached_tokens} cached)]"
+            )
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -393,6 +416,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_tokens=a.max_tokens,
         shutdown_grace=a.shutdown_grace,
         access_log=a.access_log,
+        prefix_cache_mb=a.prefix_cache_mb,
     )
     return serve(options)
 
@@ -426,6 +450,21 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--access-log", action="store_true", help="log every request")
 
 
+def _megabytes(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _prefix_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefix-cache-mb", type=_megabytes, metavar="MB",
+        help="memory for prompt prefixes kept across requests/turns (default: the model's "
+        "size, at least 256; 0: off)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion LMs.")
     parser.add_argument("--version", action="version", version=f"clover {__version__}")
@@ -444,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_args(c)
     _generation_args(c)
     c.add_argument("--verbose", "-v", action="store_true")
+    _prefix_cache_arg(c)
     c.set_defaults(func=cmd_chat)
     i = sub.add_parser("info", help="architecture, parameters, bytes")
     i.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -508,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     _runtime_args(s)
     _serve_args(s)
+    _prefix_cache_arg(s)
     s.set_defaults(func=cmd_serve)
     from clover.bench.cli import add_bench_parser
 

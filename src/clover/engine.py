@@ -2,7 +2,9 @@
 
 This is the edge where text meets token ids: it renders chat templates, turns the decoding
 loop's events into text deltas, and applies stop strings. Loading (names, GGUF conversion,
-HF directories, precision, device) is `clover.checkpoints.load`.
+HF directories, precision, device) is `clover.checkpoints.load`. It owns the model's prefix
+cache across calls (`prefix_cache`), so a multi-turn `chat` prefills only what is new since
+the last turn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from clover.checkpoints import DEFAULT_MODEL, load
 from clover.decoding.loop import RowResult, generate
 from clover.decoding.policies import Policy, make_policy
+from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
 from clover.tokenizer import Tokenizer
@@ -58,6 +61,9 @@ class Completion:
     seconds: float
     steps: list[int] = field(default_factory=list)  # denoising step that committed each token
     drafts: dict = field(default_factory=dict)  # self_spec: source -> [drafted, kept] tokens
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    prefill_seconds: float = 0.0  # to the pass that gave the first logits (`RowResult`)
+    ttft: float = 0.0  # seconds from the call to this answer's first text (0: none came)
 
     @property
     def output_tokens(self) -> int:
@@ -70,6 +76,12 @@ class Completion:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens computed (not reused) per second of prefill."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
 
 @dataclass
@@ -90,20 +102,23 @@ class LLM:
         adapter: str | Path | None = None,
         compile: bool = False,
         device: str = "cpu",
+        drafter: str | Path | None = None,
     ) -> None:
-        """adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
+        """drafter: a drafter file (`clover train drafter`) for self_spec draft="drafter";
+        adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
         warm them up here at batch 1 (`warm_up`). device: cpu, cuda, cuda:N or auto
         (`resolve_device`): weights load on the CPU, then move; on a GPU, dtype auto is
         bfloat16 (int4 and int8 are CPU kernels)."""
         t0 = time.perf_counter()
-        loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device)
+        loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device,
+                      drafter=drafter)  # fmt: skip
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.config = self.model.config
         self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device
         self.resolved, self.directory = loaded.resolved, loaded.directory
-        self.adapter = loaded.adapter
+        self.adapter, self.drafter = loaded.adapter, loaded.drafter
         self.compiled = compile
         if compile:
             self.model.compile_causal()
@@ -126,6 +141,52 @@ class LLM:
             prompts = [prompt[: len(prompt) - i] for i in range(rows)]
             for _ in generate(self.model, prompts, policy, max_new_tokens=12):
                 pass
+
+    # --- prefix cache across calls ------------------------------------------------------------
+
+    _prefix_cache: PrefixCache | None = None
+    _prefix_cache_set = False
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Committed prefixes kept across calls; made on first use at this model's default
+        size (`PrefixCache.for_model`); None when turned off (`set_prefix_cache(0)`)."""
+        if not self._prefix_cache_set:
+            self.set_prefix_cache(None)
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Use this cache (None: none), e.g. to put back one set aside."""
+        self._prefix_cache, self._prefix_cache_set = cache, True
+
+    def set_prefix_cache(self, mb: float | None) -> None:
+        """A new prefix cache of `mb` MiB (None: the model's default, 0: none); what the old
+        one held is dropped."""
+        self._prefix_cache = None if mb == 0 else PrefixCache.for_model(self.model, mb)
+        self._prefix_cache_set = True
+
+    def chat_marks(
+        self, messages: list[dict], prompt: list[int], **template_kwargs: object
+    ) -> tuple[int, ...]:
+        """Prompt positions worth a prefix-cache snapshot: where the conversation before its
+        last user turn ends, when its rendering is a token prefix of `prompt` (a template may
+        render earlier turns differently once more follow). Only models with recurrent
+        layers need them (K/V can resume at any block), so others get () at no cost."""
+        cache = self.prefix_cache
+        if cache is None or not cache.recurrent:
+            return ()
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+        if last == 0:
+            return ()
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages[:last], add_generation_prompt=False, **template_kwargs
+            )
+        except CloverError:  # e.g. a template that insists on ending with a user turn
+            return ()
+        ids = self.tokenizer.encode(text)
+        return (len(ids),) if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else ()
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -161,8 +222,15 @@ class LLM:
         prompts: list[list[int]],
         settings: GenerationSettings,
         completions: list | None = None,
+        marks: list[tuple[int, ...]] | None = None,
+        cached: bool = True,
     ) -> Iterator[TextDelta]:
-        """Text deltas per row as tokens become final; `completions` is filled at the end."""
+        """Text deltas per row as tokens become final; `completions` is filled at the end.
+        `marks[row]`: prefix-cache snapshot positions of that prompt (`chat_marks`).
+        cached=False: no prefix cache for this call (every prompt prefilled in full, nothing
+        kept), for measurements that must not depend on what ran before: a warm prefill
+        multiplies fewer rows, and 16-bit/int4 kernels round by shape, so a near-tie can
+        flip (float32 answers are identical either way)."""
         s = self.default_settings(settings)
         policy = s.policy()
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
@@ -179,14 +247,21 @@ class LLM:
             stop=lambda row, final: texts[row].on_final(final),
             results=results,
             constraint=(lambda _row: s.constraint()) if s.constraint is not None else None,
+            prefix_cache=self.prefix_cache if cached else None,
+            marks=marks,
         )
-        for event in loop:
-            for row in event.finished:
-                texts[row].finish()
-            for row, ts in enumerate(texts):
-                text = ts.take()
-                if text:
-                    yield TextDelta(row, text)
+        first = [0.0] * len(prompts)
+        try:
+            for event in loop:
+                for row in event.finished:
+                    texts[row].finish()
+                for row, ts in enumerate(texts):
+                    text = ts.take()
+                    if text:
+                        first[row] = first[row] or time.perf_counter() - t0
+                        yield TextDelta(row, text)
+        finally:
+            loop.close()  # stopped early: the rows leave the prefix cache's pins now
         seconds = time.perf_counter() - t0
         if completions is not None:
             completions[:] = [
@@ -199,6 +274,9 @@ class LLM:
                     seconds=seconds,
                     steps=r.steps,
                     drafts=r.drafts,
+                    cached_tokens=r.cached_tokens,
+                    prefill_seconds=r.prefill_seconds,
+                    ttft=first[i],
                 )
                 for i, r in enumerate(results)
             ]
@@ -224,8 +302,9 @@ class LLM:
         **kw: object,
     ) -> Completion:
         settings = _settings(settings, kw)
+        prompt = self.chat_prompt(messages)
         out: list[Completion] = []
-        for _ in self.stream([self.chat_prompt(messages)], settings, out):
+        for _ in self.stream([prompt], settings, out, [self.chat_marks(messages, prompt)]):
             pass
         return out[0]
 

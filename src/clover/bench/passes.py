@@ -81,10 +81,11 @@ def pass_costs(
     out: dict[int, dict] = {}
     with torch.inference_mode():
         cache = model.make_cache(batch)
-        prompt = torch.randint(100, vocab, (batch, cache_tokens), generator=gen)
+        low = min(100, vocab // 2)  # past the special tokens of real vocabularies
+        prompt = torch.randint(low, vocab, (batch, cache_tokens), generator=gen)
         model(prompt, cache, "causal")
         for w in widths:
-            x = torch.randint(100, vocab, (batch, w), generator=gen)
+            x = torch.randint(low, vocab, (batch, w), generator=gen)
             reset = _reset_after(cache, w if mode == "causal" else 0)
 
             def run(x: torch.Tensor = x, reset: Callable[[], None] = reset) -> None:

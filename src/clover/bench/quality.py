@@ -178,9 +178,10 @@ def run_quality(
         for config in configs:  # interleaved: every config answers this batch in turn
             completions: list = []
             t0 = time.perf_counter()
-            for _ in llm.stream(
-                [prompts[i] for i in batch], config.settings(max_tokens), completions
-            ):
+            # cold prefills: an answer must not depend on which items ran before
+            batch_prompts = [prompts[i] for i in batch]
+            settings = config.settings(max_tokens)
+            for _ in llm.stream(batch_prompts, settings, completions, cached=False):
                 pass
             seconds = time.perf_counter() - t0
             tot = totals[config.name]

@@ -67,6 +67,7 @@ class Loaded:
     directory: Path | None  # the HF-format directory read (None for a preset)
     resolved: ResolvedModel | None  # None for a preset
     adapter: str | None  # the draft adapter file attached, if any
+    drafter: str | None = None  # the drafter file attached (`model.drafter`), if any
 
 
 def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
@@ -252,6 +253,7 @@ def load(
     progress: bool = True,
     adapter: str | Path | None = None,
     device: str = "cpu",
+    drafter: str | Path | None = None,
     wide: str = "int8",
 ) -> Loaded:
     """adapter: a draft adapter file to attach; a registry name that ships one attaches its
@@ -309,4 +311,12 @@ def load(
 
         keep_float32(net)
     net.to(dev)
-    return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter)
+    if drafter is not None:  # self_spec draft="drafter" (models/drafter.py)
+        from clover.models.drafter import load_drafter
+
+        if not Path(drafter).is_file():
+            raise CloverError(f"drafter file {drafter} not found")
+        # not a submodule: the model's own state, casts and quantization leave it alone
+        object.__setattr__(net, "drafter", load_drafter(Path(drafter), net).to(dev))
+        drafter = str(drafter)
+    return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter)

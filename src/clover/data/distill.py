@@ -129,7 +129,7 @@ def distill(
             batch = todo[start : start + batch_size]
             ids = [llm.chat_prompt(p["messages"]) for p in batch]
             completions: list = []
-            for _ in llm.stream(ids, settings, completions):
+            for _ in llm.stream(ids, settings, completions, cached=False):  # order-independent
                 pass
             kept = []
             for p, prompt, c in zip(batch, ids, completions):

@@ -8,6 +8,13 @@ the caller's stop check) and leave the batch; the cache drops their rows.
 
 The loop sees token ids only and yields a `StepEvent` per step; CLI, server, benchmarks and
 visualisers all consume that stream. NFE counts forward passes a row took part in.
+
+With a `PrefixCache` (`prefix_cache.py`), a joining row first reuses the longest cached prefix
+of its prompt, and rows save what they committed: the prompt once it is in the cache, and
+everything when they finish or are cancelled. Each row's committed ids (`Row.committed`) are
+kept exact here (commits of each pass, minus rolled-back speculation), so only causal tokens
+are ever saved. A model with recurrent layers prefills a new prompt alone, in passes that end
+at its snapshot points (caller's `marks`, every `snapshot_every` tokens, one before the end).
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from clover.decoding.constraints import LogitsConstraint
+from clover.decoding.costs import PassCosts, cached_costs
+from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy
+from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
 from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
@@ -61,6 +71,11 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
         )
     if policy.speculative and not config.shifted:
         raise CloverError("self_spec needs a token-shifted model (config.shifted = true)")
+    if policy.speculative and "drafter" in policy.draft and getattr(model, "drafter", None) is None:
+        raise CloverError(
+            f"draft {policy.draft!r} needs a drafter for this model: load one with --drafter "
+            "FILE (`clover train drafter` makes one)"
+        )
     longest = max(len(p) for p in prompts)
     if longest >= model.context_length:
         raise CloverError(
@@ -89,8 +104,12 @@ class BatchDecoder:
     (`cancel`) between steps, each with its own policy, sampling, budget, EOS ids and stop
     check. `generate` below is this with all rows added up front; the server keeps one."""
 
-    def __init__(self, model: DiffusionLM) -> None:
+    def __init__(self, model: DiffusionLM, prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        self.prefix = prefix_cache
+        # True while a step runs, and after one failed: the cache may then hold half a pass,
+        # so nothing is saved from it (rows are only released) until the batch is empty
+        self._busy = False
         self.config = model.config
         self.mask_id = self.config.mask_token_id if self.config.mask_token_id is not None else 0
         self.device = next(model.parameters()).device
@@ -98,6 +117,9 @@ class BatchDecoder:
         self.active: list[Row] = []  # cache row k belongs to active[k]
         self.step_count = 0
         self._next = 0
+        # the drafter's context rows, aligned with the cache's, once a row drafts with it
+        self.drafting: DrafterRunner | None = None
+        self._costs: dict[bool, PassCosts] = {}  # with / without the drafter's pass
 
     @on_model_device
     def add(
@@ -112,9 +134,13 @@ class BatchDecoder:
         index: int | None = None,
         seed_index: int = 0,
         constraint: LogitsConstraint | None = None,
+        marks: tuple[int, ...] | list[int] = (),
     ) -> Row:
         """Queue a prompt into the batch; returns its row (its `.result` fills as it runs).
-        `constraint` limits which tokens the row may commit (`constraints.py`)."""
+        `constraint` limits which tokens the row may commit (`constraints.py`). `marks`:
+        prompt positions worth a prefix-cache snapshot (e.g. where the chat template's last
+        user turn starts), for models with recurrent layers."""
+        t_added = time.perf_counter()
         _check(self.model, [prompt], policy, max_new_tokens)
         sampling = sampling or SamplingParams()
         gen = torch.Generator(device=self.device)
@@ -129,19 +155,103 @@ class BatchDecoder:
         row = SpecRow(*args) if policy.speculative else BlockRow(*args, shifted=self.config.shifted)
         row.sampling, row.eos, row.stop = sampling, set(eos_token_ids), stop
         row.constraint = constraint
+        row.t_added, row.marks = t_added, tuple(marks)
+        if isinstance(row, SpecRow):
+            if row.uses_drafter and self.drafting is None:
+                self.drafting = DrafterRunner(self.model, self.model.drafter)
+                for _ in self.active:  # rows already running draft otherwise: empty contexts
+                    self.drafting.add_row()
+            if policy.adaptive and (row.context is not None or row.uses_drafter):
+                row.costs = self._pass_costs(row.uses_drafter)
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()
-        if self.step_count and self.active and len(prompt) > 1:
-            # joining a running batch: prefill alone, so the batch's next step is not padded
-            # to this prompt's length for every row (one extra pass for this row only)
+        dcache = self.drafting.drafter.make_cache(1) if self.drafting is not None else None
+        try:
             with torch.inference_mode():
-                self.model(torch.tensor([prompt[:-1]], device=self.device), cache, "causal")
-            row.pending = [prompt[-1]]
-            row.result.nfe += 1
+                self._start(row, cache, dcache if getattr(row, "uses_drafter", False) else None)
+        except BaseException:
+            if self.prefix is not None:
+                self.prefix.release(row.pin)
+            raise
         self.cache = cache if self.cache is None else self.cache.extend(cache)
+        if self.drafting is not None:
+            self.drafting.add_row(dcache)
         self.active.append(row)
         return row
+
+    def _pass_costs(self, drafter: bool) -> PassCosts:
+        """This machine's pass costs for the model (and its drafter), measured on first use."""
+        if drafter not in self._costs:
+            label = str(getattr(self.model, "quantized_head", None) is not None)
+            self._costs[drafter] = cached_costs(
+                self.model, label, self.model.drafter if drafter else None
+            )
+        return self._costs[drafter]
+
+    def _start(self, row: Row, cache: object, dcache: object = None) -> None:
+        """Reuse the longest cached prefix of the row's prompt (into its fresh 1-row cache),
+        then prefill alone what must be: the rest of the prompt of a model with recurrent
+        layers (snapshots on the way), or a prompt joining a running batch, so the batch's
+        next step is not padded to its length for every row. The last prompt token always
+        stays pending: its pass gives the first logits."""
+        prompt, prefix = row.prompt, self.prefix
+        recurrent = any(layer.recurrent for layer in cache.layers)
+        end = len(prompt) - 1
+        if prefix is not None:
+            hit = prefix.lookup(prompt, end, exact=recurrent)
+            prefix.restore(hit, cache)
+            row.pin = prefix.hold(hit)
+            row.committed, row.pending = prompt[: hit.length], prompt[hit.length :]
+            row.result.cached_tokens = hit.length
+        stops: set[int] = set()
+        if prefix is not None and recurrent:
+            every = prefix.snapshot_every
+            stops = {*row.marks, *range(every, end, every), end}
+        elif self.step_count and self.active:
+            stops = {end}
+        states = {}
+        for stop in sorted(p for p in stops if len(row.committed) < p <= end):
+            ids = row.pending[: stop - len(row.committed)]
+            x = torch.tensor([ids], device=self.device)
+            if dcache is None:
+                self.model(x, cache, "causal")
+            else:  # a drafting row: its drafter reads the features of what is committed
+                _, feats = self.model(x, cache, "causal", capture=self.drafting.layers)
+                self.drafting.drafter.commit(feats, torch.tensor([len(ids)]), dcache)
+            row.committed += ids
+            del row.pending[: len(ids)]
+            row.result.nfe += 1
+            if prefix is not None and recurrent:
+                states[stop] = prefix.capture(cache, 0)
+        if prefix is not None and len(row.committed) >= end:
+            self._save(row, cache, 0, states)
+
+    def _save(self, row: Row, cache: object, k: int, states: dict | None = None) -> None:
+        """Save row's committed state (cache row k) into the prefix cache: the first time,
+        with snapshots at its marks and one token before its prompt's end. `states`: the
+        recurrent states captured during a prefill in passes, by position; None (a save
+        between steps) also snapshots where the row is now: where it ends when it leaves,
+        its prompt's end (or just past it) after its first pass."""
+        snaps = {} if states is None else dict(states)
+        if not row.prompt_saved:
+            for p in (*row.marks, len(row.prompt) - 1):
+                snaps.setdefault(p, None)
+        if states is None:
+            snaps[len(row.committed)] = None
+        row.pin = self.prefix.save(cache, k, row.committed, snaps, row.pin)
+        row.prompt_saved = True
+
+    def _leave(self, k: int, save: bool) -> None:
+        """Row k leaves: save what it committed (unless the cache may be inconsistent), then
+        unpin its chain."""
+        r = self.active[k]
+        if self.prefix is None:
+            return
+        if save and not self._busy:
+            self._save(r, self.cache, k)
+        self.prefix.release(r.pin)
+        r.pin = None
 
     @on_model_device
     def cancel(self, index: int) -> bool:
@@ -149,18 +259,28 @@ class BatchDecoder:
         for k, r in enumerate(self.active):
             if r.index == index:
                 r.result.finish_reason = r.result.finish_reason or "cancelled"
+                with torch.inference_mode():
+                    self._leave(k, save=True)
                 self._keep([j for j in range(len(self.active)) if j != k])
                 return True
         return False
+
+    def close(self) -> None:
+        """Cancel every row still running (the caller stopped early)."""
+        for r in list(self.active):
+            self.cancel(r.index)
 
     def _keep(self, keep: list[int]) -> None:
         if len(keep) == len(self.active):
             return
         self.active = [self.active[k] for k in keep]
+        if self.drafting is not None:
+            self.drafting.select(keep)
         if self.active:
             self.cache.select(keep)
         else:
             self.cache = None
+            self._busy = False  # nothing left that a failed pass could have touched
 
     def _fit_lookup_drafts(self, plans: list[tuple[list[int], int]]) -> list:
         """In a batch every row's pass is padded to the longest, so a context-lookup draft may
@@ -177,6 +297,7 @@ class BatchDecoder:
     def step(self) -> StepEvent:
         """One forward over every active row, then each row commits; finished rows leave."""
         t0 = time.perf_counter()
+        self._busy = True
         self.step_count += 1
         model, active, mask_id = self.model, self.active, self.mask_id
         plans = [r.plan(mask_id) for r in active]
@@ -190,8 +311,14 @@ class BatchDecoder:
             ids = torch.tensor(rows, dtype=torch.long, device=self.device)
             n_valid = torch.tensor([len(t) for t, _ in plans])
             n_commit = torch.tensor([c for _, c in plans])
+            capture = self.drafting.layers if self.drafting is not None else ()
             with torch.inference_mode():
-                hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid)
+                hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid,
+                               capture=capture)  # fmt: skip
+            if capture:
+                hidden, features = hidden
+            for r, (tokens, n) in zip(active, plans):
+                r.committed += tokens[:n]
         wanted, counts = [], []
         for k, r in enumerate(active):
             if plans[k][0]:
@@ -234,9 +361,45 @@ class BatchDecoder:
             event.finished[r.index] = reason
         if bool(rollback.any()):
             self.cache.rollback(rollback)
+            for r, n in zip(active, rollback.tolist()):
+                del r.committed[len(r.committed) - n :]
+        if self.drafting is not None and T:
+            self._draft(features, n_commit - rollback, keep)
+        now = time.perf_counter()
+        for r in active:
+            if not r.result.prefill_seconds and r.steps:
+                r.result.prefill_seconds = now - r.t_added
+        if self.prefix is not None:
+            self._busy = False  # the pass is complete: the cache is consistent again
+            with torch.inference_mode():
+                for k, r in enumerate(active):
+                    if k not in keep:
+                        self._leave(k, save=True)
+                    elif not r.prompt_saved and len(r.committed) >= len(r.prompt) - 1:
+                        self._save(r, self.cache, k)
         self._keep(keep)
+        self._busy = False
         event.seconds = time.perf_counter() - t0
         return event
+
+    def _draft(self, features: torch.Tensor, kept: torch.Tensor, keep: list[int]) -> None:
+        """After a pass: the drafter takes the features of what each drafting row kept, then
+        drafts the next block for the rows that stay and want one (one pass for all)."""
+        drafting = [isinstance(r, SpecRow) and r.uses_drafter for r in self.active]
+        kept = torch.where(torch.tensor(drafting), kept, 0)
+        self.drafting.commit(features, kept)
+        lengths = [r.drafter_length() if d and k in keep else 0
+                   for k, (r, d) in enumerate(zip(self.active, drafting))]  # fmt: skip
+        if max(lengths) == 0:
+            return
+        first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
+        with torch.inference_mode():
+            logits = self.drafting.draft(first, max(lengths) + 1)  # [B, w - 1, V]
+            if self.config.mask_token_id is not None:
+                logits[..., self.config.mask_token_id] = float("-inf")
+            for r, n, row_logits in zip(self.active, lengths, logits):
+                if n:
+                    r.take_drafts(row_logits[:n], r.sampling)
 
 
 def generate(
@@ -250,6 +413,8 @@ def generate(
     stop: Callable[[int, list[int]], bool] | None = None,
     results: list[RowResult] | None = None,
     constraint: Callable[[int], LogitsConstraint | None] | None = None,
+    prefix_cache: PrefixCache | None = None,
+    marks: list[tuple[int, ...]] | None = None,
 ) -> Iterator[StepEvent]:
     """Decode every prompt (lists of token ids, any lengths); yields one event per step.
 
@@ -257,25 +422,33 @@ def generate(
     (stop strings live in the caller, which knows text). `results`, if given, is filled with
     one `RowResult` per prompt (complete once the row finishes). `constraint(row)`, if given,
     makes each row's constraint (a fresh one per row: constraints keep state).
+    `prefix_cache` reuses and keeps committed prefixes across calls; `marks[row]` are that
+    prompt's snapshot positions (`BatchDecoder.add`).
     """
     if not prompts:
         return
-    batch = BatchDecoder(model)  # `add` checks every prompt before the first step
-    rows = [
-        batch.add(
-            p,
-            policy,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            eos_token_ids=eos_token_ids,
-            stop=stop,
-            index=i,
-            seed_index=i,
-            constraint=constraint(i) if constraint is not None else None,
-        )
-        for i, p in enumerate(prompts)
-    ]
-    if results is not None:
-        results[:] = [r.result for r in rows]
-    while batch.active:
-        yield batch.step()
+    batch = BatchDecoder(model, prefix_cache)
+    for p in prompts:  # every prompt is checked before any is prefilled
+        _check(model, [p], policy, max_new_tokens)
+    try:
+        rows = [
+            batch.add(
+                p,
+                policy,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                eos_token_ids=eos_token_ids,
+                stop=stop,
+                index=i,
+                seed_index=i,
+                constraint=constraint(i) if constraint is not None else None,
+                marks=marks[i] if marks is not None else (),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        if results is not None:
+            results[:] = [r.result for r in rows]
+        while batch.active:
+            yield batch.step()
+    finally:
+        batch.close()  # stopped early: rows leave (saving what they committed)

@@ -75,7 +75,7 @@ class LowConfidence(Policy):
         return confidence >= self.threshold
 
 
-DRAFTS = ("mask", "lookup", "mask+lookup")
+DRAFTS = ("mask", "lookup", "mask+lookup", "drafter", "drafter+lookup")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,9 @@ class SelfSpec(Policy):
     block_size: int = 32
     refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified
     draft: str = "mask"
+    # lookup / drafter drafts as long as this machine's pass costs and the row's acceptance
+    # make them pay (decoding/costs.py), AR steps while they do not; False: always the most
+    adaptive: bool = True
     name: str = "self_spec"
     speculative = True
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from clover.decoding.constraints import LogitsConstraint, pick
+from clover.decoding.costs import Acceptance, PassCosts, best_length
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, filtered_probs, sample
 
@@ -49,6 +50,10 @@ class RowResult:
     steps: list[int] = field(default_factory=list)  # step that committed each token
     nfe: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache across requests
+    # from joining the batch to the end of the pass that gave the row its first logits
+    # (prefill of the uncached prompt, then that pass)
+    prefill_seconds: float = 0.0
     # self_spec: per draft source ("mask", "lookup"), [tokens drafted, tokens kept]
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -71,7 +76,13 @@ class Row:
         self, index: int, prompt: list[int], max_new: int, policy: Policy, gen: torch.Generator
     ) -> None:
         self.index = index
+        self.prompt = list(prompt)
         self.pending = list(prompt)  # certain tokens to commit causally at the next pass
+        self.committed: list[int] = []  # ids the cache row holds (the loop keeps it exact)
+        self.marks: tuple[int, ...] = ()  # prompt positions for prefix-cache snapshots
+        self.pin = None  # the prefix-cache block this row pins (the deepest of its chain)
+        self.prompt_saved = False  # its prompt is in the prefix cache
+        self.t_added = 0.0
         self.answer: list[int] = []  # final answer tokens (may end with EOS)
         self.answer_steps: list[int] = []
         self.emitted = 0  # final tokens already reported
@@ -253,15 +264,33 @@ class NgramIndex:
                     self.after[tuple(self.tokens[j - n : j])] = j
             self.tokens.append(t)
 
-    def draft(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the current suffix."""
+    LONG = 32  # how far a long match may draft
+    GROW_AFTER = 8  # a match of this many tokens is long (code and quotes repeat for a while)
+
+    def draft(self, k: int, most: int | None = None) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the current suffix;
+        up to min(LONG, most) when that occurrence matches the current text over GROW_AFTER
+        tokens or more."""
         if k < 1:
             return []
         for n in self.SIZES:
             j = self.after.get(tuple(self.tokens[-n:])) if len(self.tokens) >= n else None
             if j is not None:
+                if most is not None and self._match(j) >= self.GROW_AFTER:
+                    k = max(k, min(self.LONG, most))
                 return self.tokens[j : j + k]
         return []
+
+    def _match(self, j: int) -> int:
+        """How many tokens before position j equal the ones at the end (up to GROW_AFTER)."""
+        m, end = 0, len(self.tokens)
+        while (
+            m < self.GROW_AFTER
+            and j - 1 - m >= 0
+            and self.tokens[j - 1 - m] == self.tokens[end - 1 - m]
+        ):
+            m += 1
+        return m
 
 
 def draw_drafts(
@@ -294,6 +323,12 @@ class SpecRow(Row):
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self._from_context = False  # the planned pass's draft came from a context lookup
         self.context = NgramIndex(self.pending) if "lookup" in self.policy.draft else None
+        self.uses_drafter = "drafter" in self.policy.draft  # drafts set by the loop's drafter
+        # the machine's pass costs (decoding/costs.py), set by the loop when the policy adapts
+        # its draft lengths; then each source's acceptance decides how far to draft
+        self.costs: PassCosts | None = None
+        self.acceptance = {"lookup": Acceptance(NgramIndex.LONG),
+                           "drafter": Acceptance(self.policy.block_size - 1)}  # fmt: skip
 
     @property
     def refining(self) -> bool:
@@ -305,10 +340,33 @@ class SpecRow(Row):
         self._from_context = False
         if self.context is not None:
             room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
-            found = self.context.draft(min(self.policy.block_size - 1, room))
-            if found:  # a context match beats the block's guess
+            if self.costs is None:  # fixed: block_size - 1 drafted tokens at most
+                found = self.context.draft(min(self.policy.block_size - 1, room))
+            else:  # long matches may draft far; as far as this machine and these matches pay
+                found = self.context.draft(min(self.policy.block_size - 1, room), room)
+                found = found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
+            if found:  # a context match beats the block's or the drafter's guess
                 self.draft, self.draft_q, self._from_context = found, None, True
         return self._verify_plan(mask_id)
+
+    def drafter_length(self) -> int:
+        """How many tokens the drafter should draft for the next pass (0: none)."""
+        room = self.max_new - len(self.answer) - 1
+        if (
+            not self.uses_drafter
+            or self.draft
+            or room <= 0
+            or first_eos(self.answer, self.eos) is not None
+        ):
+            return 0
+        most = min(self.policy.block_size - 1, room)
+        if self.costs is None:
+            return most
+        return best_length(self.acceptance["drafter"].p, self.costs, most, drafter=True)
+
+    def take_drafts(self, logits: torch.Tensor, sampling: SamplingParams) -> None:
+        """The drafter's logits [k, V] for the next k positions -> this row's next draft."""
+        self.draft, self.draft_q = draw_drafts(logits, sampling, self.gen)
 
     def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
         """[certain | draft to verify | masked block (draft="mask*" only)]."""
@@ -351,10 +409,14 @@ class SpecRow(Row):
         else:
             accepted, token = self._verify_sampled(verify, sampling)
         if self.draft:
-            source = "lookup" if self._from_context else "mask"
+            source = "lookup" if self._from_context else "drafter" if self.uses_drafter else "mask"
             tally = self.result.drafts.setdefault(source, [0, 0])
             tally[0] += len(self.draft)
             tally[1] += accepted
+            if source in self.acceptance:
+                self.acceptance[source].update(len(self.draft), accepted)
+        for a in self.acceptance.values():
+            a.relax()
         self._from_context = False
         rollback = len(self.draft) - accepted
         new = self.draft[:accepted] + [token]

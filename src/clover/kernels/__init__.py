@@ -15,10 +15,12 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -60,8 +62,30 @@ def _key(here: Path, compiler: str) -> str:
     for name in SOURCES + HEADERS:
         h.update((here / name).read_bytes())
     h.update(torch.__version__.encode())
+    # the install too: each venv writes its own include paths into build.ninja, so two venvs
+    # sharing a build dir rebuilt each other's objects at every load
+    h.update(str(Path(torch.__file__).parent).encode())
     h.update(compiler.encode())
     return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """One builder per build dir. PyTorch's own lock is a file that a killed build leaves
+    behind, after which every later load waits forever (seen here); an OS lock dies with its
+    process, so whoever holds it may remove that stale file."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: PyTorch's lock alone
+        yield
+        return
+    with open(target / ".clover-build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        (target / "lock").unlink(missing_ok=True)  # PyTorch's, from a build that died
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def load() -> ModuleType | None:
@@ -82,16 +106,17 @@ def load() -> ModuleType | None:
     if fresh:
         _notice("building the CPU kernels (once; about a minute)...")
     try:
-        from torch.utils import cpp_extension
-
         target.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=f"clover_kernels_{key}",
-            sources=[str(here / s) for s in SOURCES],
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp-simd"],
-            build_directory=str(target),
-            verbose=False,
-        )
+        with _build_lock(target):
+            from torch.utils import cpp_extension
+
+            module = cpp_extension.load(
+                name=f"clover_kernels_{key}",
+                sources=[str(here / s) for s in SOURCES],
+                extra_cflags=["-O3", "-std=c++17", "-fopenmp-simd"],
+                build_directory=str(target),
+                verbose=False,
+            )
     except Exception as e:  # a failed build must not stop the model: PyTorch's kernels remain
         first = str(e).strip().splitlines()[:1] or [type(e).__name__]
         _notice(f"could not build the CPU kernels ({first[0][:160]}): using PyTorch's")

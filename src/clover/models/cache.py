@@ -13,6 +13,9 @@ Decisions:
 - Attention layers write the K/V of *all* input tokens into the slots just past the committed
   length, as scratch, and only `advance()` moves the committed length. So a preview can never
   corrupt the prefix: the slots it writes are overwritten by the next forward.
+- `copy_out` / `copy_in` move one row's committed state to and from the prefix cache across
+  requests (`decoding/prefix_cache.py`): positions of K/V, or the whole state of a recurrent
+  layer (`recurrent = True`), which summarises its prefix and cannot be cut by position.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ from clover.models.layout import StepLayout
 
 class LayerCache:
     """Interface of a per-layer cache; subclasses hold the state of one layer type."""
+
+    recurrent = False  # True: a state of the whole prefix, not one entry per position
+
+    def copy_out(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """A copy of row's committed state: positions [start, end) of a positional cache, the
+        whole state of a recurrent one (start, end ignored: it holds the committed length)."""
+        raise NotImplementedError
+
+    def copy_in(self, row: int, start: int, parts: tuple[torch.Tensor, ...]) -> None:
+        """Write `copy_out`'s parts into row: at positions start.. of a positional cache, as
+        the state of a recurrent one."""
+        raise NotImplementedError
 
     def reserve(self, capacity: int) -> None:
         raise NotImplementedError
@@ -106,6 +121,16 @@ class KVCache(LayerCache):
     def select(self, rows: torch.Tensor) -> None:
         self.k = self.k[rows]
         self.v = self.v[rows]
+
+    def copy_out(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """-> k, v [H_kv, end - start, D], copies."""
+        return self.k[row, :, start:end].clone(), self.v[row, :, start:end].clone()
+
+    def copy_in(self, row: int, start: int, parts: tuple[torch.Tensor, ...]) -> None:
+        k, v = parts  # [H_kv, n, D]
+        self.reserve(start + k.shape[1])
+        self.k[row, :, start : start + k.shape[1]] = k
+        self.v[row, :, start : start + v.shape[1]] = v
 
     def extend(self, other: KVCache) -> None:
         cap = max(self.capacity, other.capacity)

@@ -179,9 +179,9 @@ class Drafter(nn.Module):
     # --- decoding: the context in a cache -------------------------------------------------------
 
     def make_cache(self, batch: int) -> ModelCache:
-        c = self.config
-        dtype = self.fc.weight.dtype
-        layers = [KVCache(batch, c.num_key_value_heads, c.head_dim, dtype) for _ in self.layers]
+        c = self.config  # float32 K/V: PyTorch's CPU attention is slow in bfloat16 (cache.py)
+        layers = [KVCache(batch, c.num_key_value_heads, c.head_dim, torch.float32)
+                  for _ in self.layers]  # fmt: skip
         return ModelCache(layers, batch, c.max_position_embeddings)
 
     def commit(self, features: torch.Tensor, counts: torch.Tensor, cache: ModelCache) -> None:
@@ -189,7 +189,7 @@ class Drafter(nn.Module):
         T = features.shape[1]
         cache.prepare(T, counts)
         layout = cached_layout(counts, torch.zeros_like(counts), cache.lengths, T)
-        rope = rope_cos_sin(layout.positions, self.inv_freq)
+        rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
         c = self.context(features)
         for layer, lc in zip(self.layers, cache.layers):
             lc.write(*layer.self_attn.context_kv(c, rope), layout)
@@ -204,7 +204,7 @@ class Drafter(nn.Module):
         cache.prepare(width)
         zeros = torch.zeros(B, dtype=torch.long)
         layout = cached_layout(zeros, torch.full_like(zeros, width), cache.lengths, width)
-        rope = rope_cos_sin(layout.positions, self.inv_freq)
+        rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
         h = self.block_inputs(first, embed, width)
         for layer, lc in zip(self.layers, cache.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
@@ -222,10 +222,10 @@ class Drafter(nn.Module):
         S, B = starts.shape[1], self.config.block_size
         c = self.context(features)
         ctx_pos = torch.arange(L)[None].expand(N, L)
-        rope_ctx = rope_cos_sin(ctx_pos, self.inv_freq)
+        rope_ctx = rope_cos_sin(ctx_pos, self.inv_freq.to(ctx_pos.device))
         offs = torch.arange(B)
         pos = (starts[..., None] + offs).reshape(N, S * B)  # [N, S*B]
-        rope = rope_cos_sin(pos, self.inv_freq)
+        rope = rope_cos_sin(pos, self.inv_freq.to(pos.device))
         key_ctx = (
             torch.arange(L)[None, None, :]
             < torch.minimum(starts.repeat_interleave(B, 1), n_context[:, None])[..., None]

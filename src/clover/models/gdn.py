@@ -42,6 +42,8 @@ class GDNCache(LayerCache):
     `rollback` can recompute the state after fewer of its tokens.
     """
 
+    recurrent = True
+
     def __init__(self, batch: int, channels: int, kernel: int, hv: int, dk: int, dv: int) -> None:
         self.conv = torch.zeros(batch, channels, kernel - 1)
         self.state = torch.zeros(batch, hv, dk, dv)
@@ -53,6 +55,14 @@ class GDNCache(LayerCache):
 
     def select(self, rows: torch.Tensor) -> None:
         self.conv, self.state = self.conv[rows], self.state[rows]
+        self.saved = None
+
+    def copy_out(self, row: int, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """-> conv [C, K-1], state [Hv, Dk, Dv]: copies, at the committed length."""
+        return self.conv[row].clone(), self.state[row].clone()
+
+    def copy_in(self, row: int, start: int, parts: tuple[torch.Tensor, ...]) -> None:
+        self.conv[row], self.state[row] = parts
         self.saved = None
 
     def extend(self, other: GDNCache) -> None:

@@ -116,18 +116,21 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         req = parse_chat(parse_json(raw), runtime.limits)
         llm = runtime.llm
 
-        def render() -> tuple[str, list[int]]:
+        def render() -> tuple[str, list[int], tuple[int, ...]]:
             knows = template_knows_tools(llm.tokenizer)
             messages, extra = render_inputs(req.messages, req.tools, knows)
+            kwargs = {**req.template_kwargs, **extra}
             try:
                 text = llm.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, **{**req.template_kwargs, **extra}
+                    messages, add_generation_prompt=True, **kwargs
                 )
             except CloverError as e:
                 raise bad_request(str(e), "messages") from None
-            return text, llm.tokenizer.encode(text)
+            ids = llm.tokenizer.encode(text)
+            return text, ids, llm.chat_marks(messages, ids, **kwargs)
 
-        text, ids = await run_in_threadpool(render)  # long prompts must not stall the loop
+        # long prompts must not stall the loop
+        text, ids, marks = await run_in_threadpool(render)
         settings = fit(req, len(ids), runtime.limits)
         opens = prompt_opens_reasoning(text)
         then = JsonRule(req.json_grammar) if req.json_grammar is not None else None
@@ -137,7 +140,7 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         if rule is not None:
             vocab = await run_in_threadpool(lambda: runtime.vocab)  # decoded once, on first use
             settings = replace(settings, constraint=lambda: TokenConstraint(rule, vocab))
-        ticket = runtime.submit(ids, settings, req.n)
+        ticket = runtime.submit(ids, settings, req.n, marks)
         call = Call(
             runtime, True, f"chatcmpl-{uuid.uuid4().hex}", req.model, req,
             llm.default_settings(settings), [(ticket, 0)], len(ids), reasoning_start=opens,

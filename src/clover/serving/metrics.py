@@ -3,8 +3,9 @@
 The exposition format is a few lines of text, so a client library would add a dependency
 for nothing. Counters and histograms are updated from the event loop (one thread) and read
 there too, but a lock keeps them consistent if a handler ever runs elsewhere. Gauges and the
-scheduler's own counters (forward passes, queue depth, running rows) are read at scrape time
-from the scheduler, which is their single source of truth.
+scheduler's own counters (forward passes, queue depth, running rows, the prefix cache's
+size, hits and evictions) are read at scrape time from the scheduler, which is their single
+source of truth.
 """
 
 from __future__ import annotations
@@ -14,6 +15,18 @@ import threading
 from collections import defaultdict
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+PREFIX_CACHE_METRICS = (  # keys of `PrefixCache.report()`; all 0 when the cache is off
+    ("bytes", "gauge", "Bytes the prefix cache holds (K/V blocks and snapshots)."),
+    ("capacity_bytes", "gauge", "The prefix cache's memory bound (--prefix-cache-mb)."),
+    ("blocks", "gauge", "Blocks of committed tokens in the prefix cache."),
+    ("snapshots", "gauge", "Recurrent-state / tail snapshots in the prefix cache."),
+    ("hit_rate", "gauge", "Prompt tokens served from the prefix cache / prompt tokens."),
+    ("lookups", "counter", "Prompts looked up in the prefix cache."),
+    ("hits", "counter", "Lookups that reused at least one token."),
+    ("prompt_tokens", "counter", "Prompt tokens looked up."),
+    ("cached_tokens", "counter", "Prompt tokens served from the prefix cache."),
+    ("evictions", "counter", "Blocks and snapshots evicted to stay within the bound."),
+)
 TPF_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
@@ -114,4 +127,9 @@ class Metrics:
         ):
             name = f"clover_scheduler_{field}_total"
             metric(name, "counter", help_, [f"{name} {getattr(stats, field, 0)}"])
+        prefix = getattr(getattr(scheduler, "batch", None), "prefix", None)
+        report = prefix.report() if prefix is not None else {}
+        for key, kind, help_ in PREFIX_CACHE_METRICS:
+            name = f"clover_prefix_cache_{key}" + ("_total" if kind == "counter" else "")
+            metric(name, kind, help_, [f"{name} {report.get(key, 0)}"])
         return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ class ServeOptions:
     max_tokens: int = 256  # when a request does not say
     shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     access_log: bool = False
+    prefix_cache_mb: float | None = None  # prefixes kept across requests; None: model's size
 
     def check(self) -> None:
         device_dtype(resolve_device(self.device), self.dtype)
@@ -59,3 +60,5 @@ class ServeOptions:
             raise CloverError("--max-tokens must be >= 1")
         if self.shutdown_grace < 0:
             raise CloverError("--shutdown-grace must be >= 0")
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
+            raise CloverError("--prefix-cache-mb must be >= 0 (0 turns the cache off)")

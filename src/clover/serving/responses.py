@@ -6,8 +6,12 @@ role first, then content deltas, then a chunk with an empty delta and `finish_re
 choices carries the usage; then `data: [DONE]`. Text is sent as the scheduler reports it,
 which is text that has become final, so nothing sent ever changes.
 
-Two additions ride along without disturbing standard clients: `timings` (tokens/s, NFE, TPF)
-on each choice's last chunk and on non-streamed bodies, and, only when the request asks with
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens reused from the prefix
+cache across requests (OpenAI's field; per prompt, from its first choice).
+
+Two additions ride along without disturbing standard clients: `timings` (tokens/s, NFE, TPF,
+prompt tokens cached and prefilled, prefill tokens/s) on each choice's last chunk and on
+non-streamed bodies, and, only when the request asks with
 `"clover_commits": true` (the web page does), a `clover` field with the diffusion's commits
 `[answer index, token text, denoising step]`, sent as they happen, even when no text became
 final yet. An error after the stream started is sent as an `error` event before `[DONE]`.
@@ -62,18 +66,25 @@ class Call:
         timeout = self.runtime.options.request_timeout
         return None if timeout is None else self.started + timeout
 
-    def usage(self, completions: list[Completion]) -> dict[str, int]:
+    def usage(self, completions: list[Completion]) -> dict[str, Any]:
+        """`completions` in choice order: all of the call's, each prompt's first choice
+        counting its cached tokens (the others share that prompt)."""
         generated = sum(c.output_tokens for c in completions)
+        cached = sum(completions[k].cached_tokens for _, k in self.tickets)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": generated,
             "total_tokens": self.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def timings(self, completions: list[Completion]) -> dict[str, float]:
         tokens = sum(c.output_tokens for c in completions)
         nfe = sum(c.nfe for c in completions)
         decode = max((c.seconds for c in completions), default=0.0)
+        cached = sum(c.cached_tokens for c in completions)
+        prefilled = sum(c.prompt_tokens - c.cached_tokens for c in completions)
+        prefill = max((c.prefill_seconds for c in completions), default=0.0)
         return {
             "completion_tokens": tokens,
             "nfe": nfe,
@@ -81,6 +92,10 @@ class Call:
             "decode_seconds": round(decode, 4),
             "tokens_per_s": round(tokens / decode, 2) if decode > 0 else 0.0,
             "total_seconds": round(time.monotonic() - self.started, 4),
+            "cached_tokens": cached,
+            "prefill_tokens": prefilled,
+            "prefill_seconds": round(prefill, 4),
+            "prefill_tokens_per_s": round(prefilled / prefill, 2) if prefill > 0 else 0.0,
         }
 
     def record(self, completions: list[Completion]) -> None:

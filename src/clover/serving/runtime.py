@@ -70,6 +70,7 @@ class Runtime:
             llm = self.loader()
             if getattr(llm, "compiled", False) and self.options.max_running > 1:
                 llm.warm_up(rows=2)  # the batched graphs too, before the server says ready
+            llm.set_prefix_cache(self.options.prefix_cache_mb)
             scheduler = Scheduler(llm, self.options.max_running, self.options.max_queue)
             o = self.options
             defaults = GenerationSettings(
@@ -116,9 +117,11 @@ class Runtime:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], settings: GenerationSettings, n: int) -> Ticket:
+    def submit(
+        self, prompt: list[int], settings: GenerationSettings, n: int, marks: tuple = ()
+    ) -> Ticket:
         try:
-            return self.scheduler.submit(prompt, settings, n)
+            return self.scheduler.submit(prompt, settings, n, marks)
         except Overloaded as e:
             raise unavailable(str(e), "overloaded", retry_after=1) from None
         except ShuttingDown:

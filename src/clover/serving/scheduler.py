@@ -12,6 +12,8 @@ Each request gets a thread-safe queue of events:
 
 A cancelled request (client gone) leaves the batch before the next step. Shutdown stops
 admitting, lets running rows finish (or cancels them after a grace period) and exits.
+The batch uses the model's prefix cache across requests (`LLM.prefix_cache`): a request
+reuses the longest prefix that earlier or running requests committed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Ticket:
     prompt: list[int]
     settings: GenerationSettings
     n: int
+    marks: tuple[int, ...] = ()  # prefix-cache snapshot positions (`LLM.chat_marks`)
     events: queue.Queue = field(default_factory=queue.Queue)
     created: float = field(default_factory=time.monotonic)
     cancelled: bool = False
@@ -70,7 +73,7 @@ class Scheduler:
             raise CloverError("max_running must be >= 1 and max_queue >= 0")
         self.llm = llm
         self.max_running, self.max_queue = max_running, max_queue
-        self.batch = BatchDecoder(llm.model)
+        self.batch = BatchDecoder(llm.model, llm.prefix_cache)
         self.waiting: deque[Ticket] = deque()
         self.running: dict[int, Ticket] = {}  # row index -> ticket
         self.stats = Stats()
@@ -85,7 +88,9 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, prompt: list[int], settings: GenerationSettings, n: int = 1) -> Ticket:
+    def submit(
+        self, prompt: list[int], settings: GenerationSettings, n: int = 1, marks: tuple = ()
+    ) -> Ticket:
         s = self.llm.default_settings(settings)
         s.policy()  # validate now
         SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
@@ -98,7 +103,7 @@ class Scheduler:
                 raise Overloaded(
                     f"server busy: {self.running_rows} running, {len(self.waiting)} queued"
                 )
-            ticket = Ticket(next(self._ids), prompt, s, n)
+            ticket = Ticket(next(self._ids), prompt, s, n, tuple(marks))
             self.waiting.append(ticket)
             self.stats.requests += 1
             self._lock.notify()
@@ -155,16 +160,20 @@ class Scheduler:
                         index=next(self._rows),
                         seed_index=choice,
                         constraint=s.constraint() if s.constraint is not None else None,
+                        marks=t.marks,
                     )
                     row.t_start = time.monotonic()
                     t.rows[row.index] = (choice, text, row)
                     self.running[row.index] = t
                 self.stats.prompt_tokens += len(t.prompt)
-            except CloverError as e:
+            except Exception as e:  # noqa: BLE001 (joining prefills and reads the prefix cache:
+                # a failure there must fail this request, not the scheduler thread)
                 for index in list(t.rows):
                     self.batch.cancel(index)
                     self.running.pop(index, None)
-                t.events.put({"type": "error", "message": str(e)})
+                failed = f"decoding failed: {type(e).__name__}"
+                message = str(e) if isinstance(e, CloverError) else failed
+                t.events.put({"type": "error", "message": message})
 
     def _run(self) -> None:
         while True:
@@ -221,6 +230,8 @@ class Scheduler:
                     nfe=r.nfe,
                     seconds=time.monotonic() - row.t_start,
                     steps=r.steps,
+                    cached_tokens=r.cached_tokens,
+                    prefill_seconds=r.prefill_seconds,
                 )
                 self.stats.output_tokens += len(r.tokens)
                 self.stats.finished += 1

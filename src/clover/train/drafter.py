@@ -60,6 +60,7 @@ class DrafterTrainConfig:
     device: str = "cpu"
     max_minutes: float | None = None
     drafter_file: str | None = None  # default: <out>/drafter.safetensors
+    feature_cache_gb: float = 4.0  # the target's features kept across epochs; 0: none
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -118,18 +119,50 @@ def load_sets(cfg: DrafterTrainConfig) -> tuple[list[dict], list[dict], list[dic
     return train, heldout[: cfg.eval_examples], unseen[: cfg.eval_examples]
 
 
+class FeatureCache:
+    """The frozen target's features by record id (bfloat16), up to a byte budget: its
+    features are the same every epoch, and a target pass over a batch cost ~2x the drafter's
+    whole step here."""
+
+    def __init__(self, budget_gb: float) -> None:
+        self.budget, self.used, self.rows = budget_gb * 1e9, 0, {}
+
+    def get(self, key: str) -> torch.Tensor | None:
+        return self.rows.get(key)
+
+    def put(self, key: str, feats: torch.Tensor) -> None:
+        t = feats.to(torch.bfloat16)
+        if self.used + t.numel() * 2 <= self.budget:
+            self.rows[key] = t
+            self.used += t.numel() * 2
+
+
 def target_features(
-    target: torch.nn.Module, records: list[dict], layers: list[int], max_len: int
-) -> tuple:
+    target: torch.nn.Module, records: list[dict], layers: list[int], max_len: int,
+    cache: FeatureCache | None = None,
+) -> tuple:  # fmt: skip
     """One causal pass of the frozen target over each prompt + answer (right-padded) ->
-    (features [N, L, k * D] float32, lengths [N], ids [N, L])."""
+    (features [N, L, k * D] (bfloat16 values in float32), lengths [N], ids [N, L]); from
+    `cache` when every record of the batch is there."""
     seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in records]
     L = max(len(s) for s in seqs)
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])
     n = torch.tensor([len(s) for s in seqs])
+    kept = [cache.get(r["id"]) for r in records] if cache is not None else [None]
+    if all(k is not None for k in kept):
+        feats = torch.zeros(len(records), L, kept[0].shape[-1])
+        for i, k in enumerate(kept):
+            feats[i, : k.shape[0]] = k.float()
+        return feats, n, ids
     with torch.inference_mode():
         _, feats = target(ids, n_valid=n, capture=tuple(layers))
-    return feats.clone(), n, ids
+    # rounded to bfloat16 whether kept or not: a resumed run (its cache empty) sees the same
+    # numbers as the run it continues
+    feats = feats.to(torch.bfloat16).float()
+    if cache is not None:
+        for i, r in enumerate(records):
+            cache.put(r["id"], feats[i, : int(n[i])])
+    return feats, n, ids
 
 
 def block_starts(records: list[dict], n: torch.Tensor, S: int, rng: random.Random) -> torch.Tensor:
@@ -155,11 +188,11 @@ def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
 
 
 def head_weight(target: torch.nn.Module) -> torch.Tensor:
-    """The target's LM head [V, D] as float32 (dequantized if it was quantized)."""
+    """The target's LM head [V, D] as bfloat16 (dequantized if it was quantized)."""
     head = getattr(target, "quantized_head", None)
     if head is not None and hasattr(head, "dequantized_weight"):
-        return head.dequantized_weight().float()
-    return target.head_weight().detach().float()
+        return head.dequantized_weight().to(torch.bfloat16)
+    return target.head_weight().detach().to(torch.bfloat16)
 
 
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
@@ -169,7 +202,9 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     B = drafter.config.block_size
     first = ids.gather(1, starts)
     h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens)  # [N,S,B,D]
-    logp = F.linear(h[:, :, 1:], head).log_softmax(-1)  # [N, S, B-1, V]
+    # the head in bfloat16 (float32 accumulation): ~2.7x PyTorch's float32 matmul on this CPU,
+    # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
+    logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
     pos = starts[..., None] + torch.arange(1, B)  # [N, S, B-1] positions predicted
     valid = pos < n[:, None, None]
     weight = torch.exp(-(torch.arange(B - 1).float()) / cfg.decay)[None, None] * valid
@@ -249,12 +284,18 @@ def _save(
 def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | None = None) -> dict:
     """Train (or continue) a drafter; `until` stops at that step as a killed run would."""
     from clover.engine import LLM
-    from clover.models.drafter import new_drafter
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(cfg.target, dtype=cfg.target_dtype, progress=progress)
-    target = llm.model
+    llm = LLM(cfg.target, dtype=cfg.target_dtype, progress=progress, device=cfg.device)
+    with torch.device(cfg.device):  # every tensor the run makes lands beside the target
+        return _train_drafter(cfg, llm.model, out, progress, until)
+
+
+def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, progress: bool,
+                   until: int | None) -> dict:  # fmt: skip
+    from clover.models.drafter import new_drafter
+
     for p in target.parameters():
         p.requires_grad_(False)
     train, heldout, unseen = load_sets(cfg)
@@ -262,14 +303,14 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | N
     overrides = {"num_hidden_layers": cfg.layers, "block_size": cfg.block_size}
     if cfg.feature_layers:
         overrides["feature_layers"] = list(cfg.feature_layers)
-    drafter = new_drafter(target, cfg.target, **overrides).float().train()
+    drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
     head = head_weight(target)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     step, order, elapsed = 0, [], 0.0
     ckpt = out / "checkpoint" / "state.pt"
     if ckpt.exists():  # continue: the drafter, optimizer, data order and schedule
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=cfg.device)
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         step, order, elapsed = state["step"], state["order"], state.get("elapsed", 0.0)
@@ -287,6 +328,7 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | N
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="drafter", unit="step")
+    features = FeatureCache(cfg.feature_cache_gb)
     start, start_step = time.perf_counter() - elapsed, step
     stop_at = min(cfg.steps, until or cfg.steps)
     last: dict = {}
@@ -299,7 +341,8 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | N
             order += fresh
         chunk = [train[i] for i in order[: cfg.batch_size]]
         order = order[cfg.batch_size :]
-        feats, n, ids = target_features(target, chunk, drafter.config.feature_layers, cfg.max_len)
+        layers = drafter.config.feature_layers
+        feats, n, ids = target_features(target, chunk, layers, cfg.max_len, features)
         starts = block_starts(chunk, n, cfg.blocks_per_sequence, rng)
         batch = {"feats": feats, "n": n, "ids": ids, "starts": starts, "records": chunk}
         loss, info = drafter_loss(drafter, target, head, batch, cfg)

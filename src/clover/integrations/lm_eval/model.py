@@ -183,7 +183,8 @@ class CloverLM(LM):
             for start in range(0, len(indices), self.batch_size):
                 batch = indices[start : start + self.batch_size]
                 completions: list[Completion] = []
-                for _ in self.llm.stream([prompts[i] for i in batch], settings, completions):
+                batch_prompts = [prompts[i] for i in batch]  # cold: order-independent answers
+                for _ in self.llm.stream(batch_prompts, settings, completions, cached=False):
                     pass
                 for i, completion in zip(batch, completions):
                     out[i] = completion.text

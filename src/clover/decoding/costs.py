@@ -1,0 +1,160 @@
+"""Speculation tuned to the machine: what a causal pass costs by width here (measured once per
+model, precision, threads and device, in a few seconds, then cached), how often each draft
+position is accepted (per row, as it decodes), and from both the draft length that maximises
+expected tokens per second.
+
+A pass verifying k drafted tokens yields 1 + (accepted run) tokens, in expectation
+    E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k
+(a_i: the chance that draft position i is kept once the ones before it were), and costs
+verify(1 + k) + draft(k) milliseconds. The length chosen is the k in 0 .. max that maximises
+E(k) / cost(k); k = 0 is a plain AR step, which is what a row falls back to while its drafts
+lose. The acceptance estimates drift back toward a prior at every step, so a row that stopped
+drafting tries again later (contexts change: code repeats, prose does not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
+
+
+@dataclass
+class PassCosts:
+    """ms of a causal pass by width (tokens per row, the LM head over all of them), and
+    optionally of a drafter pass by draft length."""
+
+    verify_ms: dict[int, float]
+    draft_ms: dict[int, float] = field(default_factory=dict)
+
+    @staticmethod
+    def _at(table: dict[int, float], w: int) -> float:
+        """Linear between measured widths, flat past the last."""
+        if not table:
+            return 0.0
+        keys = sorted(table)
+        if w <= keys[0]:
+            return table[keys[0]] * w / keys[0] if keys[0] > 1 else table[keys[0]]
+        for lo, hi in zip(keys, keys[1:]):
+            if w <= hi:
+                return table[lo] + (table[hi] - table[lo]) * (w - lo) / (hi - lo)
+        return table[keys[-1]] * w / keys[-1]
+
+    def verify(self, width: int) -> float:
+        return self._at(self.verify_ms, width)
+
+    def draft(self, k: int) -> float:
+        return self._at(self.draft_ms, k + 1) if k else 0.0
+
+
+def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool = False) -> int:
+    """The draft length in 0 .. most with the highest expected tokens per ms."""
+    best_k, best = 0, 1.0 / costs.verify(1)
+    survive, expected = 1.0, 1.0
+    for k in range(1, most + 1):
+        survive *= accept[k - 1] if k - 1 < len(accept) else accept[-1]
+        expected += survive
+        rate = expected / (costs.verify(1 + k) + (costs.draft(k) if drafter else 0.0))
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
+class Acceptance:
+    """Per draft position, the running chance that it is kept (given the ones before were)."""
+
+    def __init__(self, positions: int, prior: float = 0.6, rate: float = 0.2,
+                 drift: float = 0.02) -> None:  # fmt: skip
+        self.p = [prior] * positions
+        self.prior, self.rate, self.drift = prior, rate, drift
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A verify pass kept `accepted` of `drafted` drafts: positions 1..accepted were kept,
+        position accepted + 1 was refused, the rest were not tried."""
+        for i in range(min(drafted, len(self.p))):
+            if i <= accepted:
+                hit = 1.0 if i < accepted else 0.0
+                self.p[i] += self.rate * (hit - self.p[i])
+        self.relax()
+
+    def relax(self) -> None:
+        """Drift toward the prior (a row that stopped drafting tries again later)."""
+        self.p = [x + self.drift * (self.prior - x) for x in self.p]
+
+
+# --- measured once, cached ------------------------------------------------------------------
+
+
+def costs_key(model: torch.nn.Module, label: str) -> str:
+    from clover import kernels
+    from clover.models.drafter import fingerprint
+
+    weight = next(model.parameters())
+    try:
+        isa = kernels.isa() if kernels.load() is not None else -1
+    except (RuntimeError, ValueError):
+        isa = -1
+    parts = [fingerprint(model), label, str(weight.device), str(torch.get_num_threads()),
+             torch.__version__, str(isa)]  # fmt: skip
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def costs_path(key: str) -> Path:
+    from clover.checkpoints.registry import cache_dir
+
+    return cache_dir() / "costs" / f"{key}.json"
+
+
+def measure(model: torch.nn.Module, drafter: object = None, reps: int = 5,
+            widths: tuple[int, ...] = WIDTHS) -> PassCosts:  # fmt: skip
+    """Time causal passes of each width over a cache of 256 tokens (the bench harness)."""
+    from clover.bench.passes import pass_costs
+
+    cached = min(256, model.context_length // 2)  # what a typical prompt leaves in the cache
+    widths = tuple(w for w in widths if cached + w <= model.context_length)
+    verify = {w: r["ms"] for w, r in pass_costs(model, list(widths), 1, cached, reps).items()}
+    draft: dict[int, float] = {}
+    if drafter is not None:
+        from clover.decoding.drafting import DrafterRunner
+
+        runner = DrafterRunner(model, drafter)
+        runner.add_row()
+        width = len(drafter.config.feature_layers) * model.config.hidden_size
+        runner.commit(torch.randn(1, cached, width), torch.tensor([cached]))
+        first = torch.tensor([1])
+        for w in sorted({w for w in widths if 2 <= w <= drafter.config.block_size}):
+            runner.draft(first, w)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                runner.draft(first, w)
+                times.append((time.perf_counter() - t0) * 1000)
+            draft[w] = sorted(times)[len(times) // 2]
+    return PassCosts(verify, draft)
+
+
+def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> PassCosts:
+    """The cost table for this model here, measured on first use and kept in the user cache."""
+    key = costs_key(
+        model, label + (f"|drafter:{drafter.config.target_fingerprint}" if drafter else "")
+    )
+    path = costs_path(key)
+    try:
+        d = json.loads(path.read_text())
+        return PassCosts({int(k): v for k, v in d["verify_ms"].items()},
+                         {int(k): v for k, v in d.get("draft_ms", {}).items()})  # fmt: skip
+    except (OSError, ValueError, KeyError):
+        pass
+    costs = measure(model, drafter)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"verify_ms": costs.verify_ms, "draft_ms": costs.draft_ms}))
+    tmp.replace(path)
+    return costs

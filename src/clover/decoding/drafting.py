@@ -1,0 +1,58 @@
+"""The drafter's side of a running batch (`self_spec` with `draft="drafter"`): its context
+cache rows follow the batch's rows, it takes the target's features of what each pass
+committed, and it drafts the next block for every row that asked.
+
+Per step, after the target's verify pass (which computed the features anyway: the drafter
+costs no extra target pass): `commit` appends the features of each row's tokens that stayed
+committed (certain tokens + accepted drafts), then `draft` runs one drafter pass over a block
+[the new certain token, MASK x (w - 1)] for the rows that want a draft and returns each row's
+draft logits. A row whose prompt prefix came from the prefix cache has no features for that
+prefix: its drafter context starts after it. Positions need no offset for that (RoPE attention
+sees only distances, the same either way); it costs draft quality, never exactness (every
+draft is verified).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clover.models.drafter import Drafter
+
+
+class DrafterRunner:
+    def __init__(self, model: torch.nn.Module, drafter: Drafter) -> None:
+        self.model, self.drafter = model, drafter
+        self.layers = tuple(drafter.config.feature_layers)
+        self.cache = None
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    def add_row(self, cache: object = None) -> None:
+        """A row joins the batch with its 1-row drafter cache (its prefill's context), or an
+        empty one."""
+        cache = cache if cache is not None else self.drafter.make_cache(1)
+        self.cache = cache if self.cache is None else self.cache.extend(cache)
+
+    def select(self, keep: list[int]) -> None:
+        if not keep:
+            self.cache = None
+        else:
+            self.cache.select(keep)
+
+    def commit(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """features [B, T, k * D] of a pass over every row; counts [B]: how many of each
+        row's first tokens stay committed (0 for rows that committed nothing)."""
+        if self.cache is None or int(counts.max()) == 0:
+            return
+        T = int(counts.max())
+        with torch.inference_mode():
+            self.drafter.commit(features[:, :T], counts.to(torch.long), self.cache)
+
+    def draft(self, first: torch.Tensor, width: int) -> torch.Tensor:
+        """first [B] (each row's new certain token) -> draft logits [B, width - 1, V]: for
+        positions 1 .. width - 1 after it (rows that want no draft ignore theirs)."""
+        with torch.inference_mode():
+            h = self.drafter.block_hidden(first, self.model.model.embed_tokens, self.cache, width)
+            return self.model.logits(h[:, 1:].to(self.model.model.embed_tokens.weight.dtype))

@@ -1,0 +1,402 @@
+"""A prefix cache across requests: the committed state of earlier sequences, kept by token prefix.
+
+Decisions:
+- Fixed-size blocks of `block_tokens` committed tokens form a hashed chain: a block's key is
+  (its parent block's id, its tokens), so a lookup walks a prompt block by block with dict
+  reads, and two prefixes share a block only when every token before it is equal (keys are
+  compared exactly: no hash collision can alias two prefixes).
+- Only committed tokens enter: the decoder tracks the ids each row has committed causally
+  (`Row.committed`); block previews are never committed, and rejected speculation is rolled
+  back before anything is saved.
+- K/V is stored per position, so any block boundary is a place to resume. A recurrent layer's
+  state (Gated DeltaNet: conv + recurrent state) summarises its whole prefix and cannot be cut,
+  so a model with such layers resumes only at a *snapshot*: the recurrent states at a position
+  plus the K/V of the tokens past the last full block (the tail). The decoder takes snapshots
+  at the caller's prompt boundaries (the chat template before the last user turn), every
+  `snapshot_every` prompt tokens, one token before the end of each prompt (a repeat of the same
+  prompt must still feed its last token) and where a sequence ends. A model without recurrent
+  layers gets tail snapshots at the same points, so an exact repeat or a conversation's next
+  turn resumes exactly instead of at the last block boundary.
+- Copies, not pages: the decoder's cache is one contiguous tensor per layer (models/cache.py),
+  so a hit copies its blocks in (one concatenation and one copy per layer) and saving copies
+  them out. Paged attention would make reuse copy-free but change every attention call; the
+  copy costs far less than the prefill it replaces.
+- Memory: blocks + snapshots stay within `capacity_bytes`. When full, the least recently used
+  leaf block (one no cached block continues) or snapshot goes first; a running row pins the
+  deepest block of its chain, which keeps every block it uses (ancestors are never leaves).
+  What does not fit is not saved.
+
+Thread-safety: one lock around every public method (the server's scheduler thread writes,
+/metrics reads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from clover.errors import CloverError
+from clover.models.cache import ModelCache
+
+MIN_DEFAULT_BYTES = 256 * 2**20
+COPY_BLOCKS = 64  # blocks copied out of a row's cache per copy when saving
+
+
+@dataclass(eq=False)
+class Snapshot:
+    tail: tuple[int, ...]  # tokens past the block it hangs from
+    kv: torch.Tensor | None  # [L_attn, 2, H_kv, len(tail), D]; None without attention layers
+    states: list[tuple[torch.Tensor, ...]]  # one per recurrent layer (`LayerCache.copy_out`)
+    nbytes: int
+    used: int = 0
+
+
+@dataclass(eq=False)
+class Block:
+    id: int
+    parent: Block | None
+    tokens: tuple[int, ...]
+    kv: torch.Tensor | None  # [L_attn, 2, H_kv, block_tokens, D]
+    end: int  # position just past this block
+    nbytes: int = 0
+    used: int = 0
+    refs: int = 0  # rows pinning this block (their deepest one)
+    children: int = 0
+    snaps: dict[tuple[int, ...], Snapshot] = field(default_factory=dict)
+
+
+@dataclass
+class Hit:
+    length: int  # tokens served from the cache
+    path: list[Block]  # full blocks from the root
+    snap: Snapshot | None
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0  # lookups that reused at least one token
+    prompt_tokens: int = 0  # tokens of the prompts looked up
+    cached_tokens: int = 0  # of those, served from the cache
+    saved_blocks: int = 0
+    saved_snapshots: int = 0
+    evictions: int = 0  # blocks and snapshots dropped to make room
+    skipped: int = 0  # blocks or snapshots not saved: no room even after eviction
+
+
+def _nbytes(tensors: list[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class PrefixCache:
+    """Committed K/V and recurrent snapshots of earlier sequences, reused by token prefix."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        block_tokens: int = 16,
+        snapshot_every: int = 1024,
+        recurrent: bool = False,
+    ) -> None:
+        """recurrent: the model has recurrent layers (resume only at snapshots); informs
+        callers (`LLM.chat_marks`), the decoder reads its own cache's layers."""
+        if capacity_bytes < 0 or block_tokens < 1 or snapshot_every < 1:
+            raise CloverError("prefix cache: capacity >= 0, block and snapshot sizes >= 1")
+        self.capacity = int(capacity_bytes)
+        self.recurrent = recurrent
+        self.block_tokens = block_tokens
+        self.snapshot_every = snapshot_every
+        self.root = Block(0, None, (), None, 0)
+        self.table: dict[tuple[int, tuple[int, ...]], Block] = {}
+        self.bytes = 0
+        self.snapshots = 0
+        self.stats = PrefixStats()
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, capacity_mb: float | None = None) -> PrefixCache:
+        """A cache sized for `model`: `capacity_mb`, or by default the model's own bytes
+        (weights and buffers), at least 256 MiB and at most a quarter of the machine's memory.
+        Periodic snapshots of a recurrent model are spaced so that one costs about what the
+        K/V of the tokens between two of them does (a few thousand tokens for the published
+        35B shape, whose GDN states take ~60 MB a snapshot)."""
+        if capacity_mb is None:
+            weights = _nbytes([*model.parameters(), *model.buffers()])
+            capacity = min(max(weights, MIN_DEFAULT_BYTES), max(_memory_bytes() // 4, 1))
+        else:
+            if capacity_mb < 0:
+                raise CloverError(f"--prefix-cache-mb must be >= 0, got {capacity_mb}")
+            capacity = int(capacity_mb * 2**20)
+        block = 16
+        with torch.device("meta"):  # shapes only: no memory for the probe
+            layers = model.make_layer_caches(1)
+            for c in layers:
+                c.reserve(1)
+            state = sum(_nbytes(list(c.copy_out(0, 0, 0))) for c in layers if c.recurrent)
+            kv = sum(_nbytes(list(c.copy_out(0, 0, 1))) for c in layers if not c.recurrent)
+        every = max(256, -(-state // max(kv, 1)))
+        every = -(-every // block) * block  # a whole number of blocks
+        recurrent = any(c.recurrent for c in layers)
+        return cls(capacity, block_tokens=block, snapshot_every=every, recurrent=recurrent)
+
+    # --- lookup and restore -------------------------------------------------------------------
+
+    def lookup(self, tokens: list[int], limit: int, exact: bool) -> Hit:
+        """The longest cached prefix of tokens[:limit]. exact: only snapshots count (a model
+        with recurrent layers); otherwise any block boundary does too."""
+        with self._lock:
+            bs = self.block_tokens
+            node, depth = self.root, 0
+            path: list[Block] = []
+            best_len, best_depth, best_snap = 0, 0, None
+            while True:
+                for tail, snap in node.snaps.items():
+                    n = node.end + len(tail)
+                    if best_len < n <= limit and tuple(tokens[node.end : n]) == tail:
+                        best_len, best_depth, best_snap = n, depth, snap
+                if not exact and node.end > best_len:
+                    best_len, best_depth, best_snap = node.end, depth, None
+                if node.end + bs > limit:
+                    break
+                child = self.table.get((node.id, tuple(tokens[node.end : node.end + bs])))
+                if child is None:
+                    break
+                path.append(child)
+                node, depth = child, depth + 1
+            hit = Hit(best_len, path[:best_depth], best_snap)
+            now = next(self._clock)
+            for b in hit.path:
+                b.used = now
+            if best_snap is not None:
+                best_snap.used = now
+            self.stats.lookups += 1
+            self.stats.hits += best_len > 0
+            self.stats.prompt_tokens += len(tokens)
+            self.stats.cached_tokens += best_len
+            return hit
+
+    def hold(self, hit: Hit) -> Block | None:
+        """Pin a hit's chain for a row that uses it; -> the pinned block (`release` it)."""
+        if not hit.path:
+            return None
+        with self._lock:
+            hit.path[-1].refs += 1
+            return hit.path[-1]
+
+    def restore(self, hit: Hit, cache: ModelCache, row: int = 0) -> None:
+        """Load a hit into a row of `cache` (a fresh one: nothing committed yet)."""
+        if not hit.length:
+            return
+        with self._lock:
+            parts = [b.kv for b in hit.path]
+            if hit.snap is not None:
+                parts.append(hit.snap.kv)
+            parts = [p for p in parts if p is not None]
+            kv = torch.cat(parts, dim=3) if parts else None  # [L_attn, 2, H, length, D]
+            a = r = 0
+            for layer in cache.layers:
+                if layer.recurrent:
+                    layer.copy_in(row, 0, hit.snap.states[r])
+                    r += 1
+                else:
+                    layer.copy_in(row, 0, (kv[a, 0], kv[a, 1]))
+                    a += 1
+            cache.lengths[row] = hit.length
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        cache: ModelCache,
+        row: int,
+        tokens: list[int],
+        snapshots: dict[int, list | None],
+        pin: Block | None,
+    ) -> Block | None:
+        """Save what row `row` of `cache` has committed: `tokens` are its committed ids (the
+        cache holds len(tokens) of them). Full blocks go into the chain; a snapshot goes at
+        each position of `snapshots`, with the recurrent states captured there (`capture`;
+        None: the row's current ones, valid only at len(tokens)). `pin` is the block the row
+        pins now; returns the one it pins after (the deepest of its chain saved so far)."""
+        with self._lock:
+            kinds = [layer.recurrent for layer in cache.layers]
+            bs = self.block_tokens
+            node, now = self.root, next(self._clock)
+            chain = [node]
+            full = len(tokens) // bs * bs
+            # K/V of blocks not cached yet, copied out COPY_BLOCKS at a time (fewer, larger
+            # copies; a bounded transient for a long prompt)
+            fresh, first, last = None, 0, 0  # fresh: K/V of positions [first, last)
+            for start in range(0, full, bs):
+                key = (node.id, tuple(tokens[start : start + bs]))
+                child = self.table.get(key)
+                if child is None:  # and none after it: a block's parent is always cached
+                    if start >= last:
+                        last = min(full, start + COPY_BLOCKS * bs)
+                        fresh, first = self._kv(cache, row, kinds, start, last), start
+                    kv = None  # [L_attn, 2, H, bs, D] in its own storage (evicted alone)
+                    if fresh is not None:
+                        kv = fresh[:, :, :, start - first : start - first + bs].clone()
+                    if not self._make_room(_nbytes([kv]), keep=chain):
+                        break
+                    child = Block(next(self._ids), node, key[1], kv, start + bs, _nbytes([kv]))
+                    self.table[key] = child
+                    node.children += 1
+                    self.bytes += child.nbytes
+                    self.stats.saved_blocks += 1
+                child.used = now
+                node = child
+                chain.append(node)
+            for pos, states in sorted(snapshots.items()):
+                if 0 < pos <= len(tokens):
+                    self._snapshot(cache, row, kinds, tokens, pos, states, chain, now)
+            deepest = chain[-1] if len(chain) > 1 else None
+            if deepest is not pin:
+                if deepest is not None:
+                    deepest.refs += 1
+                if pin is not None:
+                    pin.refs -= 1
+            return deepest
+
+    def release(self, pin: Block | None) -> None:
+        """A row is done with its chain (finished, cancelled or failed)."""
+        if pin is None:
+            return
+        with self._lock:
+            pin.refs -= 1
+
+    @staticmethod
+    def capture(cache: ModelCache, row: int) -> list[tuple[torch.Tensor, ...]]:
+        """Copies of row's recurrent states now (for a snapshot at its committed length)."""
+        return [layer.copy_out(row, 0, 0) for layer in cache.layers if layer.recurrent]
+
+    def _kv(
+        self, cache: ModelCache, row: int, kinds: list[bool], start: int, end: int
+    ) -> torch.Tensor | None:
+        """-> K/V of positions [start, end) of every attention layer, [L_attn, 2, H, n, D]."""
+        parts = [
+            torch.stack(layer.copy_out(row, start, end))
+            for layer, rec in zip(cache.layers, kinds)
+            if not rec
+        ]
+        return torch.stack(parts) if parts else None
+
+    def _snapshot(self, cache, row, kinds, tokens, pos, states, chain, now) -> None:  # noqa: ANN001
+        base = pos // self.block_tokens
+        if base >= len(chain):  # the blocks before it were not saved (no room)
+            return
+        node = chain[base]
+        tail = tuple(tokens[node.end : pos])
+        if tail in node.snaps:
+            node.snaps[tail].used = now
+            return
+        if not any(kinds) and not tail:
+            return  # a block boundary of a model without recurrent layers: nothing to add
+        if states is None:
+            if any(kinds) and pos != len(tokens):
+                return  # the recurrent state there was not captured
+            states = self.capture(cache, row)
+        kv = self._kv(cache, row, kinds, node.end, pos) if tail else None
+        size = _nbytes([kv, *(t for s in states for t in s)])
+        if not self._make_room(size, keep=chain):
+            return
+        node.snaps[tail] = Snapshot(tail, kv, states, size, now)
+        self.bytes += size
+        self.snapshots += 1
+        self.stats.saved_snapshots += 1
+
+    # --- eviction -----------------------------------------------------------------------------
+
+    def _make_room(self, need: int, keep: list[Block]) -> bool:
+        """Evict least recently used leaves and snapshots until `need` more bytes fit; blocks
+        in `keep` (the chain being saved) and pinned ones stay. False if it cannot fit."""
+        if self.bytes + need <= self.capacity:
+            return True
+        if need > self.capacity:
+            self.stats.skipped += 1
+            return False
+        kept = {id(b) for b in keep}
+        while self.bytes + need > self.capacity:
+            victims: list[tuple[int, int, object]] = []
+            for b in self.table.values():
+                for s in b.snaps.values():
+                    victims.append((s.used, 0, (b, s)))
+                if not b.children and not b.refs and id(b) not in kept:
+                    victims.append((b.used, 1, b))
+            for s in self.root.snaps.values():
+                victims.append((s.used, 0, (self.root, s)))
+            if not victims:
+                self.stats.skipped += 1
+                return False
+            victims.sort(key=lambda v: (v[0], v[1]))
+            for _, _, victim in victims:
+                if self.bytes + need <= self.capacity:
+                    break
+                if isinstance(victim, Block):
+                    self._drop_block(victim)
+                else:
+                    b, s = victim
+                    if b.snaps.get(s.tail) is s:  # not already dropped with its block
+                        self._drop_snapshot(b, s)
+        return True
+
+    def _drop_snapshot(self, block: Block, snap: Snapshot) -> None:
+        del block.snaps[snap.tail]
+        self.bytes -= snap.nbytes
+        self.snapshots -= 1
+        self.stats.evictions += 1
+
+    def _drop_block(self, block: Block) -> None:
+        for snap in list(block.snaps.values()):
+            self._drop_snapshot(block, snap)
+        del self.table[(block.parent.id, block.tokens)]
+        block.parent.children -= 1
+        self.bytes -= block.nbytes
+        self.stats.evictions += 1
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    def report(self) -> dict[str, float]:
+        """Counters and sizes, for /metrics and benchmarks."""
+        with self._lock:
+            s = self.stats
+            return {
+                "capacity_bytes": self.capacity,
+                "bytes": self.bytes,
+                "blocks": len(self.table),
+                "snapshots": self.snapshots,
+                "pinned_blocks": sum(1 for b in self.table.values() if b.refs),
+                "lookups": s.lookups,
+                "hits": s.hits,
+                "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens,
+                "hit_rate": round(s.cached_tokens / s.prompt_tokens, 4) if s.prompt_tokens else 0.0,
+                "saved_blocks": s.saved_blocks,
+                "saved_snapshots": s.saved_snapshots,
+                "evictions": s.evictions,
+                "skipped": s.skipped,
+            }
+
+    def clear(self) -> None:
+        """Forget everything that no running row pins."""
+        with self._lock:
+            for b in [self.root, *self.table.values()]:
+                for snap in list(b.snaps.values()):
+                    self._drop_snapshot(b, snap)
+            for b in sorted(self.table.values(), key=lambda b: -b.end):  # children first
+                if not b.children and not b.refs:
+                    self._drop_block(b)
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 * 2**30

@@ -1,0 +1,69 @@
+"""Speculation tuned to the machine: pass costs, acceptance, and the draft length chosen."""
+
+import json
+
+from clover.decoding.costs import Acceptance, PassCosts, best_length, cached_costs
+from tests.conftest import tiny_model
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    c = PassCosts({1: 10.0, 4: 13.0, 8: 20.0}, {2: 3.0, 4: 5.0})
+    assert c.verify(1) == 10.0 and c.verify(2) == 11.0 and c.verify(6) == 16.5
+    assert c.verify(16) == 40.0  # past the last width: proportional
+    assert c.draft(0) == 0.0 and c.draft(1) == 3.0 and c.draft(3) == 5.0
+
+
+def test_draft_length_follows_costs_and_acceptance():
+    flat = PassCosts({1: 10.0, 33: 11.0})  # wide passes nearly free (a GPU)
+    steep = PassCosts({1: 10.0, 2: 20.0, 33: 330.0})  # each position costs a whole step
+    assert best_length([0.9] * 16, flat, 16) == 16  # sure drafts, free width: all
+    assert best_length([0.9] * 16, steep, 16) == 0  # no width is worth its cost: AR
+    assert best_length([0.02] * 16, flat, 16) == 1  # even bad drafts pay when width is free
+    cpu = PassCosts({1: 10.0, 2: 11.0, 33: 40.0})
+    assert best_length([0.02] * 16, cpu, 16) == 0  # drafts that lose: AR
+    mid = PassCosts({1: 10.0, 2: 11.0, 4: 13.0, 8: 19.0, 16: 40.0})
+    k = best_length([0.8] * 16, mid, 16)
+    assert 2 <= k <= 8
+    # a drafter pass that costs as much as the target's makes short drafts lose
+    slow_drafter = PassCosts(mid.verify_ms, {2: 10.0, 16: 12.0})
+    assert best_length([0.5] * 15, slow_drafter, 15, drafter=True) == 0
+
+
+def test_acceptance_learns_and_drifts_back():
+    a = Acceptance(4, prior=0.6, rate=0.5, drift=0.1)
+    for _ in range(10):
+        a.update(drafted=4, accepted=0)  # the first draft refused every time
+    assert a.p[0] < 0.2 and abs(a.p[3] - 0.6) < 1e-6  # position 4 never tried: drifts only
+    for _ in range(40):
+        a.relax()
+    assert a.p[0] > 0.5  # a row that stopped drafting tries again later
+    a.update(drafted=3, accepted=3)
+    assert a.p[0] > 0.7 and a.p[2] > 0.7
+
+
+def test_costs_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path))
+    model = tiny_model()
+    first = cached_costs(model, "float32")
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and set(first.verify_ms) >= {1, 2, 4, 8}
+    assert all(v > 0 for v in first.verify_ms.values())
+    data = json.loads(files[0].read_text())
+    data["verify_ms"] = {"1": 1.0, "2": 2.0}
+    files[0].write_text(json.dumps(data))
+    again = cached_costs(model, "float32")  # read back, not measured again
+    assert again.verify_ms == {1: 1.0, 2: 2.0}
+    assert cached_costs(model, "int4").verify_ms != again.verify_ms  # another key
+
+
+def test_lookup_drafts_grow_with_a_long_match():
+    from clover.decoding.rows import NgramIndex
+
+    text = list(range(20, 60))
+    tokens = text + text[:12]  # the start repeats for 12 tokens
+    index = NgramIndex(tokens)
+    assert index.draft(3) == text[12:15]
+    assert index.draft(3, most=100) == tokens[12:44]  # a match of 12 >= 8: up to 32
+    assert index.draft(3, most=10) == tokens[12:22]  # ... or as far as `most` allows
+    short = NgramIndex([1, 2, 3, 9, 9, 1, 2])
+    assert short.draft(3, most=100) == [3, 9, 9]  # a 2-token match stays at k
