@@ -37,7 +37,9 @@ __all__ = [
     "resolve",
 ]
 
-DEFAULT_MODEL = "clover-smol-135m"  # SmolLM2-135M-Instruct + our draft adapter (MODEL_CARD.md)
+# Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (model_cards/qwen2.5-coder.md): answers that are right far
+# more often than SmolLM2-135M's; clover-smol-135m stays the block-diffusion demo model
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
 
 
