@@ -120,6 +120,17 @@ def test_a_new_conversion_prunes_stale_entries(tmp_path, cache_root, capsys):
     assert "removed 1 stale converted checkpoint(s)" in capsys.readouterr().err
 
 
+def test_an_older_layout_is_pruned_though_its_source_is_there(tmp_path, cache_root):
+    a = make_gguf(tmp_path / "a")
+    entry = loader.prepare_checkpoint(resolve(str(a)), progress=False)
+    data = cache.read_sources(entry)
+    assert data["version"] == cache.CONVERSION_VERSION and cache.prune() == []
+    (entry / cache.SOURCES).write_text(
+        json.dumps({k: v for k, v in data.items() if k != "version"})
+    )
+    assert [e.path for e in cache.prune()] == [entry]  # a version-1 entry: never read again
+
+
 def test_cache_command_lists_and_prunes(tmp_path, cache_root, capsys):
     a = make_gguf(tmp_path / "a")
     entry = loader.prepare_checkpoint(resolve(str(a)), progress=False)

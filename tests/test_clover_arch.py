@@ -5,9 +5,9 @@ from clover.checkpoints.hf_dir import model_from_state, read_hf_dir, save_checkp
 from clover.decoding.loop import generate
 from clover.decoding.policies import LowConfidence, SelfSpec, make_policy
 from clover.errors import CloverError
-from clover.models.clover import CloverModel, preset_config, sanitize, unstack_experts
+from clover.models.clover import CloverModel, preset_config, sanitize
 from clover.models.layout import training_layout
-from clover.models.moe import MoE
+from clover.models.moe import MoE, unstack_experts
 
 ATOL = 1e-4  # fp32, cached vs uncached and train vs inference
 
@@ -161,12 +161,17 @@ def test_moe_routing_and_fast_path():
 
 
 def test_checkpoint_round_trip_per_expert_and_stacked(tmp_path):
+    """Saved in the Qwen3.5 layout (split GDN projections, fused experts) plus our tensors;
+    read back from that, from per-expert tensors, or from our own names."""
     model = bidirectional(tiny())
-    save_checkpoint(model, tmp_path / "stacked")
-    config, state = read_hf_dir(tmp_path / "stacked")
-    per_expert = unstack_experts(state)
+    save_checkpoint(model, tmp_path / "saved")
+    config, state = read_hf_dir(tmp_path / "saved")
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in state
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    assert "model.layers.0.linear_attn.right_conv" in state  # ours, beside theirs
+    per_expert = unstack_experts(model.state_dict())
     assert any(".mlp.experts.3.down_proj.weight" in k for k in per_expert)
-    for source in (state, per_expert):
+    for source in (state, per_expert, model.state_dict()):
         loaded = model_from_state(config, dict(source), "ckpt", torch.float32)
         for name, t in model.state_dict().items():
             assert torch.equal(t, loaded.state_dict()[name]), name

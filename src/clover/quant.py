@@ -45,6 +45,28 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, ..
     return q.reshape(N, K), scale, low
 
 
+def int4_levels(linear: nn.Linear, group: int = GROUP) -> tuple[torch.Tensor, ...]:
+    """A linear's 4-bit levels (q, scale, low) as `quantize_int4` returns them: its source's
+    own when the loader attached 4-bit ones (`linear.levels()` -> (q, scale, low, bits), e.g.
+    a GGUF Q4_K tensor's: nothing re-derived; its weight may be on the meta device, never
+    read), else fresh ones (from the source's wider levels, or from the weight)."""
+    given = getattr(linear, "levels", None)
+    if given is None:
+        return quantize_int4(linear.weight.detach(), group)
+    q, scale, low, bits = given()
+    if bits == 4:
+        return q, scale, low
+    G = scale.shape[1]  # wider levels (load(wide="int4")): their values, rounded to 4 bits
+    w = q.float().reshape(q.shape[0], G, -1) * scale[..., None]
+    w = (w if low is None else w + low[..., None]).reshape(q.shape)
+    return quantize_int4(w, group)
+
+
+def int4_fits(linear: nn.Module, group: int = GROUP) -> bool:
+    """The CPU kernels take whole groups along K and 16-row tiles along N."""
+    return linear.in_features % group == 0 and linear.out_features % 16 == 0
+
+
 class Int4Linear(nn.Module):
     """y = x W^T + b with W in 4-bit groups of 32; x is rounded to bfloat16, output bfloat16
     (float32 with `float_output`, as an LM head: logits rounded to bfloat16 would tie).
@@ -55,7 +77,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
         super().__init__()
-        q, scale, low = quantize_int4(linear.weight.detach(), group)
+        q, scale, low = int4_levels(linear, group)
         self._set(q, scale, low, linear.bias)
 
     @classmethod
@@ -132,15 +154,14 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
         return
     if len({b.in_features for b in bases}) != 1 or len({b.bias is None for b in bases}) != 1:
         return
-    if bases[0].in_features % group or any(b.out_features % 16 for b in bases):
+    if not all(int4_fits(b, group) for b in bases):
         return
-    # built on meta, then given the concatenated weights: no init of a matrix thrown away
-    cat = nn.Linear(bases[0].in_features, sum(b.out_features for b in bases),
-                    bias=bases[0].bias is not None, device="meta")  # fmt: skip
-    cat.weight = nn.Parameter(torch.cat([b.weight.detach() for b in bases]), requires_grad=False)
-    if cat.bias is not None:
-        cat.bias = nn.Parameter(torch.cat([b.bias.detach() for b in bases]), requires_grad=False)
-    fused = Int4Linear(cat, group)
+    if any(getattr(b, "level_bits", 4) != 4 for b in bases):
+        return  # a part keeps its source's 8-bit levels (see quantize_model)
+    # levels are per output row, so the packed matrix holds each part's own levels
+    levels = [int4_levels(b, group) for b in bases]
+    bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
+    fused = Int4Linear.from_levels(*(torch.cat(x) for x in zip(*levels)), bias)
     setattr(module, f"fused_{names[0]}", fused)
     start = 0
     for name, o, b in zip(names, outer, bases):
@@ -207,6 +228,26 @@ class Int8Linear(nn.Module):
             scales = self.scale.float()[:, None].expand(N, K // 32)
             self.weight = QWeight.from_levels(q, scales, bits=8)
 
+    @classmethod
+    def from_levels(
+        cls,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> Int8Linear:
+        """From int8 levels q [N, K] and scale (low) [N, K / group], group 16 or 32, as a
+        GGUF Q8_0 / Q6_K / Q5_0 / Q5_K tensor stores them: nothing re-rounded. Needs Clover's
+        kernels (PyTorch's int8 kernel has one scale per row)."""
+        if kernels.load() is None:
+            raise CloverError("int8 weights in groups need Clover's CPU kernels (a C++ compiler)")
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        module.weight = QWeight.from_levels(q, scale, low, bits=8)
+        module.scale = None
+        return module
+
     float_output = False  # as an LM head (see Int4Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,8 +305,13 @@ def quantize_model(
             if mode == "int8":
                 setattr(module, name, Int8Linear(child.weight, child.bias))
                 changed = True
-            elif child.in_features % group == 0 and child.out_features % 16 == 0:
-                # the CPU kernel packs whole groups along K and 16-row tiles along N
+            elif getattr(child, "level_bits", 4) == 8:
+                # the loader's mark: a source stored wider than 4 bits (GGUF Q5/Q6/Q8), whose
+                # own 8-bit levels the kernel takes as they are, not rounded again to 4 bits
+                q, scale, low, _ = child.levels()
+                setattr(module, name, Int8Linear.from_levels(q, scale, low, child.bias))
+                changed = True
+            elif int4_fits(child, group):
                 setattr(module, name, Int4Linear(child, group))
                 changed = True
         child = None  # (the loop variable would keep the last replaced linear alive)
@@ -299,7 +345,9 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     chunks of rows: a float32 copy of a whole LM head would be 113 MB for SmolLM2."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.shape[:-1], dtype=torch.float32)
-    rows, qf, sf = w.reshape(-1, w.shape[-1]), q.view(-1, w.shape[-1]), scale.view(-1)
+    # detached: a weight that requires grad (the LM head's parameter) would make `scale` an
+    # autograd node keeping every float32 chunk and the weight alive (+1.1 GB for Qwen2.5-0.5B)
+    rows, qf, sf = w.detach().reshape(-1, w.shape[-1]), q.view(-1, w.shape[-1]), scale.view(-1)
     for i in range(0, rows.shape[0], 4096):
         chunk = rows[i : i + 4096].float()
         s = (chunk.abs().amax(-1) / 127).clamp(min=1e-10)

@@ -6,8 +6,9 @@ must reuse the entry instead of writing another copy (SmolLM2-135M's entry is 0.
 float32; keyed by path, every clean-clone test run added one). Each entry records the files it
 was made from, with their size and mtime, in `sources.json`, which serves two purposes:
 - the file is hashed once per (path, size, mtime), not at every start;
-- an entry none of whose recorded files still exists unchanged can never be reached again, so
-  `prune` removes it: before every new conversion, and on `clover cache prune`.
+- an entry none of whose recorded files still exists unchanged, or one written in an older
+  layout (`CONVERSION_VERSION`), can never be reached again, so `prune` removes it: before
+  every new conversion, and on `clover cache prune`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from pathlib import Path
 from clover.checkpoints.registry import cache_dir
 
 SOURCES = "sources.json"
-CONVERSION_VERSION = 1  # bump when the converted layout changes, to invalidate old caches
+# bump when the converted layout changes, to invalidate old caches (2: the GGUF's 4-bit
+# levels, gguf_quant.safetensors, beside the weights)
+CONVERSION_VERSION = 2
 TEMP_GRACE_S = 3600.0  # a half-written conversion younger than this may still be in progress
 
 
@@ -92,7 +95,7 @@ def write_sources(directory: Path, path: Path, sha256: str, previous: dict | Non
     files[str(path.resolve())] = _stamp(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{SOURCES}.", dir=directory)
     with os.fdopen(fd, "w") as f:
-        json.dump({"sha256": sha256, "files": files}, f, indent=1)
+        json.dump({"sha256": sha256, "files": files, "version": CONVERSION_VERSION}, f, indent=1)
     os.replace(tmp, directory / SOURCES)
 
 
@@ -122,6 +125,8 @@ def _size(path: Path) -> int:
 def _is_live(entry: Path, data: dict) -> bool:
     if entry.name.startswith("."):  # a conversion being written, or one that died midway
         return time.time() - entry.stat().st_mtime < TEMP_GRACE_S
+    if data.get("version", 1) != CONVERSION_VERSION:
+        return False  # an older layout: no load will look for it again
     return any(_unchanged(name, stamp) for name, stamp in data.get("files", {}).items())
 
 

@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
@@ -41,7 +43,8 @@ def read_config(directory: Path) -> dict:
 
 
 def safetensors_files(directory: Path) -> list[Path]:
-    """The weight files of an HF directory: the index's shards, or every *.safetensors."""
+    """The weight files of an HF directory: the index's shards, model.safetensors, or every
+    *.safetensors (a converted GGUF keeps its levels in another file beside the weights)."""
     directory = Path(directory)
     index = directory / INDEX
     if index.is_file():
@@ -54,6 +57,8 @@ def safetensors_files(directory: Path) -> list[Path]:
         if missing:
             raise CloverError(f"{index} names missing shard(s): {', '.join(missing)}")
         return files
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CloverError(f"no *.safetensors weights in {directory}")
@@ -75,44 +80,73 @@ SAFETENSORS_DTYPES = {
 
 
 def read_safetensors(
-    files: Iterable[Path], dtype: torch.dtype | None = None
+    files: Iterable[Path], dtype: torch.dtype | None = None, later: Container[str] = ()
 ) -> dict[str, torch.Tensor]:
-    """All tensors of the files, read one at a time and converted to `dtype` on the way.
+    """All tensors of the files, read one at a time and converted to `dtype` on the way;
+    the names in `later` become meta tensors of their shape (not read: `read_tensor` reads
+    one when it is wanted, e.g. a weight that the int4 kernel takes from its levels).
 
     Plain reads, not a memory map: a mapped file's pages count as resident memory, so mapping
     a float32 checkpoint to build a bfloat16 model would double the peak footprint.
     """
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            size = f.stat().st_size
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if n <= 0 or 8 + n > size:
-                    raise ValueError("header length past the end of the file")
-                header = json.loads(fh.read(n))
-                header.pop("__metadata__", None)
-                base = 8 + n
-                for name, info in header.items():
-                    start, end = info["data_offsets"]
-                    if base + end > size:
-                        raise ValueError(f"tensor {name} runs past the end of the file")
-                    fh.seek(base + start)
-                    buf = bytearray(end - start)
-                    fh.readinto(buf)
-                    t = torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info["dtype"]])
-                    t = t.reshape(info["shape"]) if buf else t.new_empty(info["shape"])
-                    state[name] = t if dtype is None or not t.is_floating_point() else t.to(dtype)
-        except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
-            raise CloverError(f"cannot read {f} (truncated or not safetensors?): {e}") from None
+        with _open(f) as (fh, base, header):
+            for name, info in header.items():
+                if name in later:
+                    shape, kind = info["shape"], SAFETENSORS_DTYPES[info["dtype"]]
+                    state[name] = torch.empty(shape, dtype=dtype or kind, device="meta")
+                    continue
+                t = _read(f, fh, base, name, info)
+                state[name] = t if dtype is None or not t.is_floating_point() else t.to(dtype)
     return state
 
 
+def read_tensor(files: Iterable[Path], name: str) -> torch.Tensor:
+    """One tensor, as stored, from whichever of the files holds it."""
+    for f in files:
+        with _open(f) as (fh, base, header):
+            if name in header:
+                return _read(f, fh, base, name, header[name])
+    raise CloverError(f"no tensor {name} in {', '.join(str(f) for f in files)}")
+
+
+@contextmanager
+def _open(f: Path) -> Iterator[tuple]:
+    """-> (file handle, offset of the data, header without metadata)."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length past the end of the file")
+            header = json.loads(fh.read(n))
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                if 8 + n + info["data_offsets"][1] > size:
+                    raise ValueError(f"tensor {name} runs past the end of the file")
+            yield fh, 8 + n, header
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise CloverError(f"cannot read {f} (truncated or not safetensors?): {e}") from None
+
+
+def _read(f: Path, fh: BinaryIO, base: int, name: str, info: dict) -> torch.Tensor:
+    start, end = info["data_offsets"]
+    try:
+        fh.seek(base + start)
+        buf = bytearray(end - start)
+        fh.readinto(buf)
+        t = torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info["dtype"]])
+        return t.reshape(info["shape"]) if buf else t.new_empty(info["shape"])
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
+        raise CloverError(f"cannot read {name} from {f} (truncated?): {e}") from None
+
+
 def read_hf_dir(
-    directory: Path, dtype: torch.dtype | None = None
+    directory: Path, dtype: torch.dtype | None = None, later: Container[str] = ()
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_config(directory)
-    return config, read_safetensors(safetensors_files(directory), dtype)
+    return config, read_safetensors(safetensors_files(directory), dtype, later)
 
 
 def check_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) -> None:
@@ -130,6 +164,25 @@ def check_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str)
                 f"{source}: tensor {name} has shape {tuple(t.shape)}, "
                 f"the config needs {tuple(own[name].shape)}"
             )
+
+
+def check_dir(directory: Path) -> object:
+    """config.json and the safetensors headers (no weights read) -> the validated config, the
+    tensors' names and shapes checked against the architecture built on the meta device (the
+    family's `sanitize` runs on shapes alone). `clover info DIR`."""
+    config = make_config(read_config(directory))
+    with torch.device("meta"):
+        model = build_model(config)
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(directory):
+        with _open(f) as (_, _, header):
+            for name, info in header.items():
+                kind = SAFETENSORS_DTYPES.get(info["dtype"], torch.float32)
+                state[name] = torch.empty(info["shape"], dtype=kind, device="meta")
+    with torch.device("meta"):
+        state = architecture(config.model_type).sanitize(state, config)
+    check_state(model, state, str(directory))
+    return config
 
 
 def model_from_state(
@@ -153,13 +206,24 @@ def model_from_state(
     return model.eval()
 
 
+def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names its family publishes (`to_checkpoint`, where the
+    family has one: e.g. the Clover hybrid in the Qwen3.5 layout plus its own tensors), on the
+    CPU and contiguous; `model_from_state` reads them back."""
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    arch = architecture(model.config.model_type)
+    if hasattr(arch, "to_checkpoint"):
+        state = {k: v.contiguous() for k, v in arch.to_checkpoint(state, model.config).items()}
+    return state
+
+
 def save_checkpoint(model: DiffusionLM, directory: Path, extra_files: Iterable[Path] = ()) -> Path:
     """Write config.json + model.safetensors (+ tokenizer files) atomically into `directory`."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        state = checkpoint_state(model)
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
         for f in extra_files:

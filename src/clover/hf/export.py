@@ -66,9 +66,10 @@ def _copy_tokenizer(source: Path, target: Path) -> None:
 def _write_checkpoint(llm: object, target: Path, dtype: str) -> None:
     from safetensors.torch import save_file
 
+    from clover.checkpoints.hf_dir import checkpoint_state
     from clover.engine import GenerationSettings
 
-    state = {k: v.detach().contiguous().cpu() for k, v in llm.model.state_dict().items()}
+    state = checkpoint_state(llm.model)  # the family's published names (plus ours)
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(llm.model.config.to_dict())
     config.pop("torch_dtype", None)  # transformers 5 reads `dtype`; a stale one would mislead

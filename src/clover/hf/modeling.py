@@ -14,6 +14,7 @@ registers the class with `AutoModelForCausalLM`.
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +78,16 @@ class CloverForCausalLM(PreTrainedModel):
     def from_pretrained(
         cls, pretrained_model_name_or_path: object, *args: object, **kwargs: object
     ) -> CloverForCausalLM:
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+        local = Path(str(pretrained_model_name_or_path))
+        config = CloverConfig.from_pretrained(str(pretrained_model_name_or_path), **hub)
+        if local.is_dir() and hasattr(architecture(config.clover_architecture), "to_checkpoint"):
+            # a family whose files use its published names (e.g. the hybrid's Qwen3.5 layout,
+            # per-expert tensors), not our module names: our own reader maps them
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+            model = cls._from_published_layout(local, config, dtype)
+        else:
+            model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         try:
             model.decoding_config = GenerationConfig.from_pretrained(
                 pretrained_model_name_or_path, **hub
@@ -86,6 +95,22 @@ class CloverForCausalLM(PreTrainedModel):
         except OSError:
             model.decoding_config = None  # no generation_config.json: config.json's defaults
         return model
+
+    @classmethod
+    def _from_published_layout(
+        cls, directory: Path, config: CloverConfig, dtype: object
+    ) -> CloverForCausalLM:
+        from clover.checkpoints.hf_dir import model_from_state, read_hf_dir
+
+        native, state = read_hf_dir(directory)
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        clover = model_from_state(native, state, str(directory), dtype)
+        with torch.device("meta"):
+            model = cls(config)
+        for name, child in clover.named_children():  # the loaded modules replace the empty ones
+            model.add_module(name, child)
+        model.__dict__["_clover"] = clover
+        return model.eval()
 
     def save_pretrained(self, save_directory: object, *args: object, **kwargs: object) -> None:
         super().save_pretrained(save_directory, *args, **kwargs)

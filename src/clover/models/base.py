@@ -36,7 +36,14 @@ class ConfigMixin:
     config.json (unknown keys kept in `extra` for saving) and its EOS ids as a list."""
 
     @classmethod
+    def family_defaults(cls, d: dict) -> dict:
+        """Settings a published model type implies that its config.json does not say (e.g.
+        a block-diffusion checkpoint's block size and token shift); the file's keys win."""
+        return {}
+
+    @classmethod
     def from_dict(cls, d: dict) -> object:
+        d = {**cls.family_defaults(d), **d}
         known = {f.name for f in fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in known}
         extra = {k: v for k, v in d.items() if k not in known and k != "architectures"}

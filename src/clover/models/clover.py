@@ -14,6 +14,7 @@ fast, and the place to optimise once the trainer uses this architecture.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,10 +26,17 @@ from clover.models.cache import KVCache, LayerCache, kv_dtype
 from clover.models.gdn import GatedDeltaNet
 from clover.models.layers import ZeroRMSNorm, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout
-from clover.models.moe import MoE
+from clover.models.moe import MoE, sanitize_experts, unstack_experts
 from clover.quant import project
 
-MODEL_TYPES = ("clover_hybrid",)
+# ours, and the published family it loads (Qwen3-Next; Qwen3.5/3.6 MoE, text part)
+MODEL_TYPES = ("clover_hybrid", "qwen3_next", "qwen3_5_moe_text")
+MULTIMODAL_TYPES = ("qwen3_5_moe",)  # config.json nests the text model in `text_config`
+ARCHITECTURE_NAMES = {
+    "clover_hybrid": "CloverHybridForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+}
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -111,6 +119,20 @@ class CloverConfig(ConfigMixin):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise CloverError(f"config: {name}={value} outside the vocabulary")
+        if self.model_type not in MODEL_TYPES:
+            raise CloverError(f"CloverConfig with model_type {self.model_type!r}")
+        # what the published family may set and this architecture does not run
+        if self.extra.get("mlp_only_layers"):
+            raise CloverError("config: dense layers (mlp_only_layers) are not supported")
+        if self.extra.get("decoder_sparse_step", 1) != 1:
+            raise CloverError("config: decoder_sparse_step must be 1 (every layer MoE)")
+        if self.extra.get("attn_output_gate", True) is not True:
+            raise CloverError("config: attention without its output gate is not supported")
+
+    @classmethod
+    def family_defaults(cls, d: dict) -> dict:
+        # Qwen3.5/3.6 always renormalise the top-k router weights
+        return {"norm_topk_prob": True} if d.get("model_type") == "qwen3_5_moe_text" else {}
 
     @property
     def rotary_dim(self) -> int:
@@ -118,7 +140,7 @@ class CloverConfig(ConfigMixin):
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        return {**d.pop("extra"), **d, "architectures": ["CloverHybridForCausalLM"]}
+        return {**d.pop("extra"), **d, "architectures": [ARCHITECTURE_NAMES[self.model_type]]}
 
     # --- parameter counts (no weights needed) ------------------------------------------------
 
@@ -304,55 +326,113 @@ class CloverModel(DiffusionLM):
 
 
 # --- checkpoint names -------------------------------------------------------------------------
+#
+# Ours are the module names above; a checkpoint may use transformers' Qwen3-Next or Qwen3.5/3.6
+# names, which `sanitize` maps (and `to_checkpoint` writes back, in the Qwen3.5 layout plus our
+# block-diffusion tensors): one format. Per GDN layer (`linear_attn.`), theirs -> ours:
+#   Next: in_proj_qkvz [per key head g: q_g | k_g | v_g (r heads) | z_g (r heads)] -> q/k/v/z_proj,
+#         in_proj_ba [per key head g: b_g (r) | a_g (r)] -> b_proj, a_proj
+#   3.5:  in_proj_qkv [q_all | k_all | v_all] -> q/k/v_proj; in_proj_z/_b/_a -> z/b/a_proj
+#   both: conv1d.weight [C, 1, K] -> conv_weight [C, K]; norm.weight -> norm_weight;
+#         out_proj -> o_proj
+# MoE names: `moe.sanitize_experts`. Block-diffusion tensors absent from a checkpoint (an AR
+# parent) start at their zero init, which makes the layer exactly that parent.
+_GDN_RENAMES = {
+    "conv1d.weight": "conv_weight",
+    "norm.weight": "norm_weight",
+    "out_proj.weight": "o_proj.weight",
+    "in_proj_z.weight": "z_proj.weight",
+    "in_proj_b.weight": "b_proj.weight",
+    "in_proj_a.weight": "a_proj.weight",
+}
+BLOCK_DIFFUSION = ("right_conv", "block_mix", "history_bias")  # ours, zero in an AR parent
+SKIPPED = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
+
+
+def _split_gdn(name: str, t: torch.Tensor, c: CloverConfig) -> dict[str, torch.Tensor]:
+    """One of transformers' fused GDN projections -> our separate ones (prefix kept)."""
+    prefix, proj = name.rsplit(".linear_attn.", 1)
+    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = c.linear_num_value_heads // hk
+    at = f"{prefix}.linear_attn."
+    D = t.shape[-1]
+    if proj == "in_proj_qkvz.weight":
+        g = t.reshape(hk, 2 * dk + 2 * r * dv, D)
+        q, k, v, z = g.split([dk, dk, r * dv, r * dv], dim=1)
+        parts = {"q_proj": q, "k_proj": k, "v_proj": v, "z_proj": z}
+    elif proj == "in_proj_ba.weight":
+        b, a = t.reshape(hk, 2 * r, D).split([r, r], dim=1)
+        parts = {"b_proj": b, "a_proj": a}
+    else:  # in_proj_qkv: [q_all | k_all | v_all]
+        q, k, v = t.split([hk * dk, hk * dk, c.linear_num_value_heads * dv])
+        parts = {"q_proj": q, "k_proj": k, "v_proj": v}
+    return {f"{at}{n}.weight": w.reshape(-1, D).contiguous() for n, w in parts.items()}
 
 
 def sanitize(weights: dict[str, torch.Tensor], config: CloverConfig) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> ours. Accepts stacked experts (`mlp.gate_up`, `mlp.down`) or
-    per-expert tensors (`mlp.experts.{e}.{gate,up,down}_proj.weight`), and `mlp.gate.weight`
-    (the usual router name) for `mlp.router.weight`."""
+    """Ours, Qwen3-Next's or Qwen3.5/3.6's names (`model.language_model.` prefix, `mtp.*` and
+    `model.visual.*` skipped with a notice) -> ours."""
     out: dict[str, torch.Tensor] = {}
-    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    skipped = 0
     for name, t in weights.items():
-        if ".mlp.experts." in name:
-            prefix, rest = name.split(".mlp.experts.")
-            e, proj = rest.split(".")[:2]
-            per_expert.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
+        if name.startswith(SKIPPED):
+            skipped += 1
             continue
-        if name.endswith(".mlp.gate.weight"):
-            name = name.replace(".mlp.gate.weight", ".mlp.router.weight")
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        if ".linear_attn." in name:
+            prefix, proj = name.rsplit(".linear_attn.", 1)
+            if proj in ("in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight"):
+                out.update(_split_gdn(name, t, config))
+                continue
+            if proj == "conv1d.weight" and t.dim() == 3:
+                t = t[:, 0]
+            name = f"{prefix}.linear_attn.{_GDN_RENAMES.get(proj, proj)}"
         out[name] = t
-    for prefix, experts in per_expert.items():
-        if sorted(experts) != list(range(config.num_experts)):
-            raise CloverError(f"{prefix}: experts {sorted(experts)[:5]}... are not 0..E-1")
-        try:
-            gate_up = [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in experts]
-            down = [experts[e]["down_proj"] for e in sorted(experts)]
-        except KeyError as e:
-            raise CloverError(f"{prefix}: an expert lacks {e.args[0]}") from None
-        out[f"{prefix}.mlp.gate_up"] = torch.stack(gate_up)
-        out[f"{prefix}.mlp.down"] = torch.stack(down)
+    if skipped:
+        note = f"note: skipped {skipped} tensor(s) of the multi-token-prediction head and "
+        print(note + "vision tower (mtp.*, model.visual.*): Clover runs the language model",
+              file=sys.stderr)  # fmt: skip
+    out = sanitize_experts(out, config.num_experts)
+    for i, kind in enumerate(config.layer_types):  # an AR parent: our extras at zero
+        if kind != "linear_attention":
+            continue
+        at = f"model.layers.{i}.linear_attn."
+        conv = out.get(f"{at}conv_weight")
+        if conv is None:
+            continue
+        for extra in BLOCK_DIFFUSION:
+            if f"{at}{extra}" not in out:
+                width = config.linear_num_value_heads
+                shape = (conv.shape[0], conv.shape[1] - 1) if extra == "right_conv" else (width,)
+                out[f"{at}{extra}"] = torch.zeros(shape, dtype=conv.dtype)
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
 
 
-def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our stacked experts -> per-expert names (for tools that expect them)."""
-    out = {}
+def to_checkpoint(state: dict[str, torch.Tensor], config: CloverConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> the Qwen3.5/3.6 text layout (split GDN projections, fused experts),
+    plus our block-diffusion tensors under their own names: what `sanitize` reads back and
+    what transformers' `qwen3_5_moe_text` loads (ignoring ours)."""
+    back = {ours: theirs for theirs, ours in _GDN_RENAMES.items()}
+    out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if name.endswith(".mlp.gate_up"):
-            prefix = name[: -len(".gate_up")]
-            for e, w in enumerate(t):
-                gate, up = w.chunk(2)
-                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.experts.{e}.up_proj.weight"] = up
-        elif name.endswith(".mlp.down"):
-            prefix = name[: -len(".down")]
-            for e, w in enumerate(t):
-                out[f"{prefix}.experts.{e}.down_proj.weight"] = w
-        else:
+        if ".linear_attn." not in name:
             out[name] = t
-    return out
+            continue
+        prefix, proj = name.rsplit(".linear_attn.", 1)
+        at = f"{prefix}.linear_attn."
+        if proj in ("k_proj.weight", "v_proj.weight"):
+            continue  # written with q_proj
+        if proj == "q_proj.weight":
+            qkv = [state[f"{at}{p}_proj.weight"] for p in "qkv"]
+            out[f"{at}in_proj_qkv.weight"] = torch.cat(qkv)
+        elif proj == "conv_weight":
+            out[f"{at}conv1d.weight"] = t[:, None, :]
+        else:
+            out[f"{at}{back.get(proj, proj)}"] = t
+    return unstack_experts(out, fused=True)
 
 
 PRESETS: dict[str, dict] = {

@@ -1,15 +1,18 @@
-"""The llama family (SmolLM2, Llama 2/3, Qwen2): RMSNorm, RoPE, GQA, SwiGLU, tied embeddings.
+"""The llama family (SmolLM2, Llama 2/3, Qwen2, Fast-dLLM v2): RMSNorm, RoPE, GQA, SwiGLU.
 
 Module names mirror the Hugging Face checkpoint names, so an HF state dict needs no renaming;
 `sanitize` drops what we compute ourselves and `GGUF_NAMES` / `config_from_gguf` translate a
 llama.cpp file. Block diffusion needs no extra weights here: the layout (see `layout.py`)
 decides who attends to whom, and `mask_token_id` / `shifted` say how the block is decoded.
+Fast-dLLM v2 (`Fast_dLLM_Qwen`) is Qwen2 with block-diffusion conventions (`FAMILY_DEFAULTS`):
+token-shifted, blocks of `bd_size` (32), its added `|<MASK>|` token.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,7 +31,8 @@ from clover.models.layers import (
 from clover.models.layout import StepLayout
 from clover.quant import project_cat
 
-MODEL_TYPES = ("llama", "qwen2", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "mistral", "Fast_dLLM_Qwen")
+QKV_BIAS_TYPES = ("qwen2", "Fast_dLLM_Qwen")  # bias on q/k/v only
 
 
 @dataclass
@@ -61,13 +65,32 @@ class LlamaConfig(ConfigMixin):
     block_size: int = 32
     draft: str = "mask"  # where self_spec drafts come from (checked when loaded:
     # decoding.policies.check_model_defaults; the model layer knows no decoder names)
+    mask_token: str | None = None  # the [MASK] token's text, when only the tokenizer has its id
     extra: dict = field(default_factory=dict, repr=False)  # unknown keys, kept for saving
 
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    architectures: ClassVar[dict[str, str]] = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "Fast_dLLM_Qwen": "Fast_dLLM_QwenForCausalLM",
+    }
+
+    @classmethod
+    def family_defaults(cls, d: dict) -> dict:
+        if d.get("model_type") == "Fast_dLLM_Qwen":  # NVlabs/Fast-dLLM v2: block 32 (bd_size)
+            return {"shifted": True, "block_size": d.get("bd_size", 32), "mask_token": "|<MASK>|"}
+        return {}
+
     def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
-            raise CloverError(f"llama family config with model_type {self.model_type!r}")
-        if self.model_type == "qwen2":
+        if self.model_type not in self.model_types:
+            raise CloverError(f"{type(self).__name__} with model_type {self.model_type!r}")
+        if self.model_type in QKV_BIAS_TYPES:
             self.qkv_bias = True
+        if self.extra.get("use_sliding_window"):
+            raise CloverError(
+                "config: sliding-window attention (use_sliding_window) is not supported"
+            )
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -106,12 +129,8 @@ class LlamaConfig(ConfigMixin):
     def to_dict(self) -> dict:
         d = asdict(self)
         extra = d.pop("extra")
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        return {
-            **extra,
-            **d,
-            "architectures": [arch.get(self.model_type, "LlamaForCausalLM")],
-        }
+        arch = self.architectures.get(self.model_type, "LlamaForCausalLM")
+        return {**extra, **d, "architectures": [arch]}
 
     @property
     def num_params(self) -> int:
@@ -119,6 +138,9 @@ class LlamaConfig(ConfigMixin):
         hq = self.num_attention_heads * self.head_dim
         hkv = self.num_key_value_heads * self.head_dim
         per_layer = D * (hq + 2 * hkv) + hq * D + 3 * D * F_ + 2 * D
+        if self.qkv_bias or self.attention_bias:
+            per_layer += hq + 2 * hkv
+        per_layer += D * self.attention_bias + (2 * F_ + D) * self.mlp_bias
         emb = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + D
 
@@ -148,7 +170,7 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
@@ -163,20 +185,21 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, layer: type = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaModel(DiffusionLM):
     config_class = LlamaConfig
+    layer_class: type = DecoderLayer  # a family with other layers (qwen3) gives its own
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = Backbone(config, self.layer_class)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_buffers()
@@ -352,7 +375,7 @@ def config_from_gguf(meta: dict) -> dict:
     hidden = int(get("embedding_length"))
     d = {
         "model_type": "qwen2" if arch == "qwen2" else "llama",
-        "vocab_size": int(get("vocab_size", 0) or len(meta.get("tokenizer.ggml.tokens", []))),
+        "vocab_size": int(get("vocab_size", 0) or meta.get("tokenizer.ggml.tokens.count", 0)),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),

@@ -1,7 +1,9 @@
-"""Mixture-of-experts feed-forward: softmax router, top-k (renormalised), one gated shared expert.
+"""Mixture-of-experts feed-forward: softmax router, top-k (renormalised when the family says
+so), optionally one gated shared expert (Qwen3-Next / 3.5; Qwen3-MoE has none: width 0).
 
 Experts are stored stacked (`gate_up` [E, 2I, D], `down` [E, D, I]) so a checkpoint with
-per-expert tensors or stacked ones maps onto the same module (see `clover.sanitize`). The fast
+per-expert tensors or transformers' fused ones maps onto the same module (`sanitize_experts`;
+`unstack_experts` writes them back in a published layout). The fast
 path runs only the experts that received tokens; `forward_dense` runs every expert on every
 token and weights them by the routing, the reference the tests compare against.
 
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clover.errors import CloverError
+
 
 class MoE(nn.Module):
     def __init__(
@@ -32,10 +36,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden, experts, bias=False)
         self.gate_up = nn.Parameter(torch.randn(experts, 2 * width, hidden) * hidden**-0.5)
         self.down = nn.Parameter(torch.randn(experts, hidden, width) * width**-0.5)
-        self.shared_gate_proj = nn.Linear(hidden, shared_width, bias=False)
-        self.shared_up_proj = nn.Linear(hidden, shared_width, bias=False)
-        self.shared_down_proj = nn.Linear(shared_width, hidden, bias=False)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_width = shared_width
+        if shared_width:
+            self.shared_gate_proj = nn.Linear(hidden, shared_width, bias=False)
+            self.shared_up_proj = nn.Linear(hidden, shared_width, bias=False)
+            self.shared_down_proj = nn.Linear(shared_width, hidden, bias=False)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.ep_group = None  # torch.distributed group for expert parallelism
         self.local_index: dict[int, int] | None = None  # global -> local expert (EP shard)
         self.int8: tuple | None = None  # (gate_up q, scale, down q, scale) once quantized
@@ -91,7 +97,9 @@ class MoE(nn.Module):
         self.local_index = {e: i for i, e in enumerate(local)}
         self.ep_group = group
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | float:
+        if not self.shared_width:
+            return 0.0
         h = F.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x)
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_down_proj(h)
 
@@ -113,7 +121,8 @@ class MoE(nn.Module):
             import torch.distributed as dist
 
             dist.all_reduce(out, group=self.ep_group)  # every rank adds its experts' share
-        out = out + self._shared(flat).float()
+        if self.shared_width:
+            out = out + self._shared(flat).float()
         return out.to(x.dtype).reshape(shape)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +133,9 @@ class MoE(nn.Module):
         dense = torch.zeros(flat.shape[0], self.num_experts)
         dense.scatter_(1, ids, weights)
         all_out = torch.stack([self._expert(e, flat) for e in range(self.num_experts)], 1)
-        out = (all_out.float() * dense[..., None]).sum(1) + self._shared(flat).float()
+        out = (all_out.float() * dense[..., None]).sum(1)
+        if self.shared_width:
+            out = out + self._shared(flat).float()
         return out.to(x.dtype).reshape(shape)
 
 
@@ -139,3 +150,69 @@ def shard_experts(model: nn.Module, group: object = None) -> int:
     for moe in layers:
         moe.shard(rank, world, group)
     return len(layers)
+
+
+# --- checkpoint names -------------------------------------------------------------------------
+
+# transformers' names (after `.mlp.`) -> ours
+_RENAMES = {
+    "gate.weight": "router.weight",
+    "shared_expert.gate_proj.weight": "shared_gate_proj.weight",
+    "shared_expert.up_proj.weight": "shared_up_proj.weight",
+    "shared_expert.down_proj.weight": "shared_down_proj.weight",
+    "experts.gate_up_proj": "gate_up",  # transformers 5's fused experts [E, 2I, D]
+    "experts.down_proj": "down",  # [E, D, I]
+}
+
+
+def sanitize_experts(weights: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """MoE tensors in any published layout -> `MoE`'s: the router (`mlp.gate`), the shared
+    expert, and experts either per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`,
+    stacked here), fused (`mlp.experts.gate_up_proj` / `down_proj`) or already ours."""
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in weights.items():
+        prefix, sep, rest = name.partition(".mlp.")
+        if not sep:
+            out[name] = t
+            continue
+        if rest.startswith("experts.") and rest.count(".") == 3:  # experts.{e}.{proj}.weight
+            _, e, proj, _ = rest.split(".")
+            per_expert.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
+            continue
+        out[f"{prefix}.mlp.{_RENAMES.get(rest, rest)}"] = t
+    for prefix, experts in per_expert.items():
+        if sorted(experts) != list(range(num_experts)):
+            raise CloverError(
+                f"{prefix}.mlp: experts {sorted(experts)[:5]}... are not 0..{num_experts - 1}"
+            )
+        try:
+            gate_up = [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in experts]
+            down = [experts[e]["down_proj"] for e in sorted(experts)]
+        except KeyError as e:
+            raise CloverError(f"{prefix}.mlp: an expert lacks {e.args[0]}") from None
+        out[f"{prefix}.mlp.gate_up"] = torch.stack(gate_up)
+        out[f"{prefix}.mlp.down"] = torch.stack(down)
+    return out
+
+
+def unstack_experts(state: dict[str, torch.Tensor], fused: bool = False) -> dict[str, torch.Tensor]:
+    """Ours -> transformers' names: per-expert tensors (Qwen3-MoE files), or with `fused` the
+    `experts.gate_up_proj` / `experts.down_proj` form (Qwen3.5 files)."""
+    back = {ours: theirs for theirs, ours in _RENAMES.items()}
+    out = {}
+    for name, t in state.items():
+        prefix, sep, rest = name.partition(".mlp.")
+        if not sep or rest not in back:
+            out[name] = t
+        elif rest in ("gate_up", "down") and not fused:
+            for e, w in enumerate(t):
+                if rest == "gate_up":
+                    gate, up = w.chunk(2)
+                    out[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = gate
+                    out[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = up
+                else:
+                    out[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = w
+        else:
+            out[f"{prefix}.mlp.{back[rest]}"] = t
+    return out

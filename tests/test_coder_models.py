@@ -1,0 +1,88 @@
+"""The Qwen2.5-Coder registry models on the real files (slow; skipped until `clover pull`)."""
+
+import os
+
+import pytest
+import torch
+
+from clover.checkpoints import registry
+from clover.checkpoints.loader import prepare_checkpoint
+from clover.checkpoints.registry import KNOWN_MODELS, resolve
+
+
+def pulled(name: str):
+    entry = KNOWN_MODELS[name]
+    if registry._locate(entry) is None:
+        pytest.skip(f"{name} is not pulled (clover pull {name})")
+    return resolve(name, pull_if_missing=False, progress=False)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+    [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "18C, sunny"},
+    ],
+]
+
+
+@pytest.mark.slow
+def test_qwen_chat_template_with_tools_matches_transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from clover.tokenizer import Tokenizer
+
+    directory = prepare_checkpoint(pulled("qwen2.5-coder-0.5b"), progress=False)
+    ours, hf = Tokenizer.from_dir(directory), AutoTokenizer.from_pretrained(str(directory))
+    for messages in CONVERSATIONS:
+        for kw in ({}, {"tools": TOOLS}):
+            text = ours.apply_chat_template(messages, add_generation_prompt=True, **kw)
+            want = hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kw
+            )
+            assert text == want
+            assert ours.encode(text) == hf(want, add_special_tokens=False)["input_ids"]
+    assert 151645 in ours.eos_token_ids  # <|im_end|> ends a turn
+
+
+@pytest.mark.slow
+def test_coder_05b_logits_match_transformers_gguf_loader():
+    """Float32, the same file dequantized by each side: same argmax, close logits."""
+    pytest.importorskip("accelerate")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from clover.engine import LLM
+
+    resolved = pulled("qwen2.5-coder-0.5b")
+    llm = LLM("qwen2.5-coder-0.5b", dtype="float32", progress=False)
+    ids = llm.chat_prompt([{"role": "user", "content": "Write a Python function add(a, b)."}])
+    with torch.no_grad():
+        ours = llm.model.logits(llm.model(torch.tensor([ids])))[0]
+    del llm
+    path = resolved.path
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
