@@ -10,7 +10,7 @@ from clover import kernels
 from clover.errors import CloverError
 from clover.kernels.qgemm import QWeight, pack_scales, reference_matmul
 from clover.models.llama import LlamaConfig, LlamaModel
-from clover.quant import Int4Linear, quantize_model
+from clover.quant import Int4Linear, Int4Part, Int8Linear, project, quantize_model
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler here")
 
@@ -149,6 +149,62 @@ def test_fused_layers_match_the_modules(model_type):
         for lf, lr in zip(cf.layers, cr.layers):  # the committed K/V agree too
             n = int(cf.lengths.min())
             torch.testing.assert_close(lf.k[:, :, :n], lr.k[:, :, :n], rtol=0.05, atol=0.02)
+
+
+def mark_8bit_levels(model: LlamaModel, group16: tuple[str, ...] = ()) -> None:
+    """As the loader marks a GGUF's wider tensors (Q5_0/Q8_0: symmetric 8-bit levels in groups
+    of 32; Q6_K: groups of 16): `levels()` and `level_bits` = 8 on every decoder linear."""
+
+    def levels(w: torch.Tensor, group: int) -> tuple:
+        wg = w.detach().float().reshape(w.shape[0], -1, group)
+        scale = (wg.abs().amax(-1) / 127).clamp(min=1e-8)
+        q = (wg / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(w.shape)
+        return q, scale, None, 8
+
+    for name, linear in model.model.layers.named_modules():
+        if isinstance(linear, torch.nn.Linear):
+            group = 16 if name.endswith(group16) and group16 else 32
+            linear.levels = lambda w=linear.weight, g=group: levels(w, g)
+            linear.level_bits = 8
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_fused_layers_take_8bit_levels(model_type):
+    """A GGUF whose q/k/v and gate/up are all stored wider than 4 bits (Qwen2.5-Coder-0.5B's
+    Q5_0/Q8_0) gets them packed as one 8-bit matrix each, with every part's own levels, and
+    the fused layer path; it agrees with the modules."""
+    model = tiny_llama(model_type)
+    mark_8bit_levels(model)
+    fast, ref = fused_and_modules(model)
+    alone = quantize_model(copy.deepcopy(model), fuse=False)
+    attn = fast.model.layers[0].self_attn
+    assert isinstance(attn.fused_q_proj, Int8Linear) and isinstance(attn.q_proj, Int4Part)
+    x = torch.randn(3, 128)
+    one = alone.model.layers[0].self_attn
+    with torch.inference_mode():
+        for got, want in zip(project(x, attn.q_proj, attn.k_proj, attn.v_proj),
+                             (one.q_proj(x), one.k_proj(x), one.v_proj(x))):  # fmt: skip
+            assert torch.equal(got, want)  # packing keeps each part's levels and bias
+        ids = torch.randint(4, 256, (2, 7))
+        cf, cr = fast.make_cache(2), ref.make_cache(2)
+        for step in (ids, ids[:, :1], ids[:, :4]):
+            a, b = fast(step, cf), ref(step, cr)
+            assert fast.fused and not ref.fused
+            assert float((a.float() - b.float()).abs().max()) < 0.02 * float(b.float().abs().max())
+
+
+def test_8bit_parts_of_other_groups_stay_apart():
+    """v in groups of 16 (Q6_K) beside q/k in groups of 32: no packed matrix for q/k/v (the
+    modules run; gate/up still packed)."""
+    model = tiny_llama()
+    mark_8bit_levels(model, group16=("v_proj",))
+    q = quantize_model(model)
+    attn, mlp = q.model.layers[0].self_attn, q.model.layers[0].mlp
+    assert not hasattr(attn, "fused_q_proj") and isinstance(attn.v_proj, Int8Linear)
+    assert attn.v_proj.weight.group == 16 and isinstance(mlp.fused_gate_proj, Int8Linear)
+    with torch.inference_mode():
+        q(torch.randint(4, 256, (1, 5)))
+    assert not q.fused
 
 
 @pytest.mark.parametrize("isa", available_isas())

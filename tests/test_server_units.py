@@ -177,3 +177,24 @@ def test_serve_options_check_the_draft_source():
     ServeOptions(decoder="low_confidence", slide=True).check()
     with pytest.raises(CloverError, match="--slide is a low_confidence option"):
         ServeOptions(slide=True).check()
+    with pytest.raises(CloverError, match="needs --drafter FILE"):
+        ServeOptions(decoder="self_spec", draft="drafter+lookup").check()
+    ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors").check()
+    with pytest.raises(CloverError, match="--gguf-wide must be int8 or int4"):
+        ServeOptions(wide="int2").check()
+
+
+def test_serve_loads_the_drafter_and_gguf_precision_it_was_given(monkeypatch):
+    """`clover serve --drafter F --gguf-wide int4` reaches the model load (it was accepted on
+    the command line and dropped before)."""
+    import clover.serving.runtime as runtime
+    from clover.cli import build_parser
+    from clover.serving.options import ServeOptions
+
+    seen = {}
+    monkeypatch.setattr(runtime, "LLM", lambda model, **kw: seen.update(kw, model=model))
+    a = build_parser().parse_args(["serve", "-m", "m.gguf", "--drafter", "d.safetensors",
+                                   "--gguf-wide", "int4"])  # fmt: skip
+    assert (a.drafter, a.gguf_wide) == ("d.safetensors", "int4")
+    runtime.Runtime(ServeOptions(model="m.gguf", drafter=a.drafter, wide=a.gguf_wide)).loader()
+    assert seen["drafter"] == "d.safetensors" and seen["wide"] == "int4"

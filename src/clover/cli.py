@@ -35,6 +35,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="precision (auto: int4 for 4-bit GGUF sources, else bfloat16 where the CPU has "
         "bf16 instructions, else float32)",
     )
+    p.add_argument(
+        "--gguf-wide",
+        default="int8",
+        choices=["int8", "int4"],
+        help="int4 from a GGUF: tensors stored wider than 4 bits (Q5_0, Q6_K, Q8_0) keep their "
+        "8-bit levels (int8: exact, default) or are rounded to 4 bits (int4: faster, not exact)",
+    )
 
 
 def _runtime_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +114,7 @@ def _load(a: argparse.Namespace, quiet: bool = False) -> object:
         compile=getattr(a, "compile", False),
         device=getattr(a, "device", "cpu"),
         drafter=getattr(a, "drafter", None),
+        wide=getattr(a, "gguf_wide", "int8"),
     )
     if getattr(a, "prefix_cache_mb", None) is not None:
         llm.set_prefix_cache(a.prefix_cache_mb)
@@ -397,6 +405,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     options = ServeOptions(
         model=a.model,
         adapter=a.adapter,
+        drafter=a.drafter,
+        wide=a.gguf_wide,
         dtype=a.dtype,
         compile=a.compile,
         device=a.device,

@@ -103,8 +103,12 @@ class LLM:
         compile: bool = False,
         device: str = "cpu",
         drafter: str | Path | None = None,
+        wide: str = "int8",
     ) -> None:
-        """drafter: a drafter file (`clover train drafter`) for self_spec draft="drafter";
+        """wide (int4 from a GGUF): tensors the file stores wider than 4 bits (Q5_0, Q6_K,
+        Q8_0) keep their 8-bit levels ("int8": exact) or are rounded to 4 bits ("int4": fewer
+        bytes per pass, faster, not exact). drafter: a drafter file (`clover train drafter`)
+        for self_spec draft="drafter";
         adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
@@ -113,7 +117,7 @@ class LLM:
         bfloat16 (int4 and int8 are CPU kernels)."""
         t0 = time.perf_counter()
         loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device,
-                      drafter=drafter)  # fmt: skip
+                      drafter=drafter, wide=wide)  # fmt: skip
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.config = self.model.config
         self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device

@@ -156,12 +156,24 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
         return
     if not all(int4_fits(b, group) for b in bases):
         return
-    if any(getattr(b, "level_bits", 4) != 4 for b in bases):
-        return  # a part keeps its source's 8-bit levels (see quantize_model)
-    # levels are per output row, so the packed matrix holds each part's own levels
-    levels = [int4_levels(b, group) for b in bases]
+    bits = {getattr(b, "level_bits", 4) for b in bases}
     bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
-    fused = Int4Linear.from_levels(*(torch.cat(x) for x in zip(*levels)), bias)
+    # levels are per output row, so the packed matrix holds each part's own levels
+    if bits == {4}:
+        levels = [int4_levels(b, group) for b in bases]
+        fused = Int4Linear.from_levels(*(torch.cat(x) for x in zip(*levels)), bias)
+    elif bits == {8} and kernels.load() is not None:
+        # parts that all keep their source's 8-bit levels (GGUF Q5_0/Q8_0...): one matrix when
+        # they share the group and the form (symmetric or with a low), else they stay apart
+        levels = [b.levels()[:3] for b in bases]
+        if len({scale.shape[1] for _, scale, _ in levels}) != 1:
+            return  # (one in_features: the same count of groups is the same group)
+        if len({low is None for _, _, low in levels}) != 1:
+            return
+        q, scale, low = (None if x[0] is None else torch.cat(x) for x in zip(*levels))
+        fused = Int8Linear.from_levels(q, scale, low, bias)
+    else:
+        return  # 4-bit parts beside 8-bit ones (see quantize_model): each keeps its own
     setattr(module, f"fused_{names[0]}", fused)
     start = 0
     for name, o, b in zip(names, outer, bases):
@@ -223,6 +235,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
         q, self.scale = int8_rows(weight)  # scale: bfloat16 (exact in the kernel's float16)
         N, K = q.shape
+        self.out_features, self.in_features = N, K
         self.weight: torch.Tensor | QWeight = q
         if kernels.load() is not None and N % 16 == 0 and K % 32 == 0:
             scales = self.scale.float()[:, None].expand(N, K // 32)
@@ -243,9 +256,11 @@ class Int8Linear(nn.Module):
             raise CloverError("int8 weights in groups need Clover's CPU kernels (a C++ compiler)")
         module = cls.__new__(cls)
         nn.Module.__init__(module)
-        module.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        # float32, added inside the kernel as Int4Linear's (the fused layer reads the same)
+        module.bias = None if bias is None else bias.detach().float()
         module.weight = QWeight.from_levels(q, scale, low, bits=8)
         module.scale = None
+        module.out_features, module.in_features = q.shape
         return module
 
     float_output = False  # as an LM head (see Int4Linear)
@@ -253,9 +268,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if isinstance(self.weight, QWeight):
-            y = self.weight.matmul(x.reshape(-1, shape[-1]), out_bf16=not self.float_output)
-        else:
-            y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
+            return self.weight.matmul(x, self.bias, out_bf16=not self.float_output)
+        y = int8_matmul(x.reshape(-1, shape[-1]), self.weight, self.scale)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], -1)

@@ -269,9 +269,10 @@ class LlamaModel(DiffusionLM):
 
 def build_fused_layers(model: LlamaModel) -> list | None:
     """One kernels.FusedLayer per decoder layer, from the quantized modules (packed q/k/v and
-    gate/up Int4Linear in Clover's kernels); None where any piece is missing."""
+    gate/up, Int4Linear or Int8Linear with a GGUF's 8-bit levels, in Clover's kernels); None
+    where any piece is missing."""
     from clover import kernels
-    from clover.quant import Int4Linear
+    from clover.kernels.qgemm import QWeight
 
     module = kernels.load()
     if module is None or model.model.embed_tokens.weight.device.type != "cpu":
@@ -280,8 +281,8 @@ def build_fused_layers(model: LlamaModel) -> list | None:
 
     def packed(linear: nn.Module) -> object | None:
         linear = getattr(linear, "base", linear)  # under a draft adapter's LoRALinear
-        if not isinstance(linear, Int4Linear) or linear.weight is None:
-            return None
+        if not isinstance(getattr(linear, "weight", None), QWeight):
+            return None  # Int4Linear or Int8Linear (a GGUF's 8-bit levels) in our kernels
         w = linear.weight
         return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
                              w.in_features, linear.bias)  # fmt: skip

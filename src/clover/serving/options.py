@@ -16,6 +16,8 @@ class ServeOptions:
     compile: bool = False  # torch.compile the causal passes (warmed up while loading)
     device: str = "cpu"  # cpu, cuda, cuda:N or auto (clover.checkpoints.resolve_device)
     adapter: str | None = None  # a draft adapter file (the model's own when None)
+    drafter: str | None = None  # a drafter file (clover train drafter) for draft="drafter"
+    wide: str = "int8"  # int4 from a GGUF: wider tensors' levels (clover.engine.LLM)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -57,6 +59,10 @@ class ServeOptions:
             raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
         if self.draft is not None and self.draft not in DRAFTS:
             raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
+        if self.draft is not None and "drafter" in self.draft and self.drafter is None:
+            raise CloverError(f"--draft {self.draft} needs --drafter FILE (clover train drafter)")
+        if self.wide not in ("int8", "int4"):
+            raise CloverError(f"--gguf-wide must be int8 or int4, got {self.wide!r}")
         if self.slide and self.decoder != "low_confidence":
             raise CloverError("--slide is a low_confidence option: add --decoder low_confidence")
         if self.block_size is not None and self.block_size < 1:

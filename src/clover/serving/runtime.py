@@ -55,6 +55,8 @@ class Runtime:
                 adapter=options.adapter,
                 compile=options.compile,
                 device=options.device,
+                drafter=options.drafter,
+                wide=options.wide,
             )
         )
         self.llm: LLM | None = None
