@@ -205,6 +205,7 @@ def test_gguf_levels_reach_the_kernels_unrounded(tmp_path, monkeypatch):
         proj = layer.get_submodule(name)
         lv = levels[f"model.layers.0.{name}.weight"]
         assert isinstance(proj, Int8Linear) and proj.weight.group == lv.group, kind
+        assert proj.weight.bits == (5 if kind == "Q5_0" else 8), kind  # Q5_0: 5.5 bits a weight
         used = np.repeat(lv.scale != 0, lv.group, axis=1)
         assert np.array_equal(proj.weight.levels().numpy()[used], lv.q[used]), kind
         assert torch.equal(proj.weight.dequantized(), torch.from_numpy(lv.dequantize())), kind

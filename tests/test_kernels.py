@@ -25,8 +25,9 @@ def available_isas() -> list[str]:
 def random_weight(kind: str, N: int, K: int, f16: bool, seed: int = 0) -> QWeight:
     g = torch.Generator().manual_seed(seed)
     bits, group, low = {"int4": (4, 32, True), "int8": (8, 32, False),
-                        "int8g16": (8, 16, False), "int8low": (8, 32, True)}[kind]  # fmt: skip
-    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+                        "int8g16": (8, 16, False), "int8low": (8, 32, True),
+                        "int5": (8, 32, False), "int5low": (8, 32, True)}[kind]  # fmt: skip
+    lo, hi = (0, 16) if bits == 4 else (-16, 16) if kind.startswith("int5") else (-128, 128)
     q = torch.randint(lo, hi, (N, K), generator=g)
     scale = torch.rand(N, K // group, generator=g) * 0.05 + 1e-3
     lows = torch.randn(N, K // group, generator=g) * 0.1 if low else None
@@ -37,13 +38,14 @@ def random_weight(kind: str, N: int, K: int, f16: bool, seed: int = 0) -> QWeigh
 
 
 @pytest.mark.parametrize("isa", available_isas())
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
 def test_qgemm_matches_reference(isa, kind, monkeypatch):
     monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
     N, K = 48, 96
     for f16 in (True, False):
         w = random_weight(kind, N, K, f16)
         assert (w.scales.dtype == torch.float16) == f16
+        assert w.bits == {"int4": 4, "int5": 5, "int5low": 5}.get(kind, 8)
         bias = torch.randn(N)
         for M in ROWS:
             x = torch.randn(M, K)
@@ -58,15 +60,27 @@ def test_qgemm_matches_reference(isa, kind, monkeypatch):
 
 
 def test_packed_layout_round_trip():
-    for kind in ("int4", "int8", "int8g16"):
+    for kind in ("int4", "int8", "int8g16", "int5"):
         g = torch.Generator().manual_seed(1)
-        lo, hi = (0, 16) if kind == "int4" else (-128, 128)
+        lo, hi = {"int4": (0, 16), "int5": (-16, 16)}.get(kind, (-128, 128))
         q = torch.randint(lo, hi, (32, 64), generator=g)
+        q[0, :2] = torch.tensor([lo, hi - 1])  # both ends of the range
         group = 16 if kind == "int8g16" else 32
         w = QWeight.from_levels(
             q, torch.ones(32, 64 // group), None, bits=4 if kind == "int4" else 8
         )
+        assert w.bits == {"int4": 4, "int5": 5}.get(kind, 8)
         assert torch.equal(w.levels(), q.to(torch.int32))
+
+
+def test_5bit_levels_read_5_5_bits_a_weight():
+    """GGUF Q5_0's levels (-16..15 in groups of 32, float16 scales) take 5.5 bits a weight, as
+    in the file (8.5 as 8-bit levels); one level outside -16..15 keeps 8 bits."""
+    q = torch.randint(-16, 16, (64, 128))
+    w = QWeight.from_levels(q, torch.full((64, 4), 0.5), None, bits=8)
+    assert w.bits == 5 and w.nbytes() * 8 / q.numel() == 5.5
+    q[3, 7] = 16
+    assert QWeight.from_levels(q, torch.full((64, 4), 0.5), None, bits=8).bits == 8
 
 
 def test_scales_stored_in_float16_only_when_exact():

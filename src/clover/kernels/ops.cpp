@@ -58,11 +58,12 @@ void group_sums(const uint16_t* xb, int64_t M, int64_t K, int64_t group, float* 
 
 Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, int64_t group,
                    bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   TORCH_CHECK(bits == 8 ? (group == 16 || group == 32) : group == 32, "unsupported group ", group);
   TORCH_CHECK(N % 16 == 0 && K % group == 0, "N must be a multiple of 16 and K of the group");
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kByte, "q: contiguous uint8");
-  TORCH_CHECK(q.numel() == (bits == 4 ? N * K / 2 : N * K), "q holds ", q.numel(), " bytes");
+  TORCH_CHECK(q.numel() == (bits == 4 ? N * K / 2 : bits == 5 ? N * K / 8 * 5 : N * K), "q holds ",
+              q.numel(), " bytes");
   TORCH_CHECK(scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "scales: contiguous float32 or float16");

@@ -14,6 +14,9 @@
 // Layouts (NT = N / 16 tiles, G = K / group groups):
 //   int4 (group 32): q [NT, G, 4, 32] uint16 words, 4 nibbles each: word w of chunk c holds,
 //     in nibble j, the level of row 16t + w / 2 at k = 32g + 8c + 2j + w % 2.
+//   int5 (group 32, levels -16..15: GGUF Q5_0's): q [NT, G, 320] bytes: the int4 layout of
+//     (level + 16) & 15, then 16 uint32 masks, one per pair p = 4c + j, whose bit w is
+//     (level + 16) >> 4 of that word's nibble j (5.5 bits a weight with float16 scales).
 //   int8 (group 16 or 32): q [NT, G, group / 2, 32] int8: byte w of pair p is row 16t + w / 2
 //     at k = group * g + 2p + w % 2.
 //   scales [NT, G, 16] (then lows [NT, G, 16] when present), float32 or float16.
@@ -24,8 +27,8 @@
 namespace clover {
 
 struct QGemm {
-  int bits = 4;           // 4 or 8
-  int group = 32;         // k per scale: 32 for int4; 16 or 32 for int8
+  int bits = 4;           // 4, 5 or 8
+  int group = 32;         // k per scale: 32 for int4/int5; 16 or 32 for int8
   bool has_low = true;    // affine levels (a low per group) or symmetric
   bool f16_scales = false;
   int64_t M = 0, N = 0, K = 0;

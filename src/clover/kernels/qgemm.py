@@ -5,8 +5,10 @@ of k, with a scale (and, for affine formats, a low) per row and group:
     W[n, k] = level[n, k] * scale[n, k // group] + low[n, k // group]
 int4 levels are 0..15 in groups of 32 (GGUF Q4_0/Q4_1/Q4_K sub-blocks, our own quantization);
 int8 levels are -128..127 in groups of 16 or 32 (Q8_0, Q6_K, per-row int8 with the row's
-scale repeated). Scales are stored in float16 when every scale and low is exactly a float16
-(then nothing is rounded and the weights read 12% fewer bytes at int4), else float32.
+scale repeated); 8-bit levels in groups of 32 that all fit in -16..15 (Q5_0) are stored in 5
+bits (`bits` 5), which the kernel reads as such. Scales are stored in float16 when every scale
+and low is exactly a float16 (then nothing is rounded and the weights read 12% fewer bytes at
+int4), else float32.
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     v = v.permute(0, 2, 3, 1, 5, 4)  # t, g, c, i, e, j: word (i, e) holds nibbles j
     words = v[..., 0] | v[..., 1] << 4 | v[..., 2] << 8 | v[..., 3] << 12
     return words.to(torch.int16).contiguous().view(torch.uint8).reshape(N // 16, K // 32, 256)
+
+
+def pack_int5(q: torch.Tensor) -> torch.Tensor:
+    """levels [N, K] in -16..15 -> uint8 [N/16, K/32, 320] (qgemm.h's int5 layout): the int4
+    layout of the low 4 bits of level + 16, then one 32-bit mask of high bits per pair."""
+    N, K = q.shape
+    u = q.to(torch.int32) + 16
+    low = pack_int4(u & 15)
+    v = (u >> 4).reshape(N // 16, 16, K // 32, 4, 4, 2)  # t, i, g, c, j, e
+    v = v.permute(0, 2, 3, 4, 1, 5).reshape(N // 16, K // 32, 16, 32)  # pair p = 4c + j, word w
+    masks = (v.to(torch.int64) << torch.arange(32)).sum(-1)  # bit w of pair p's mask
+    masks = torch.stack([(masks >> (8 * b)) & 255 for b in range(4)], -1)  # little-endian
+    masks = masks.to(torch.uint8).reshape(N // 16, K // 32, 64)
+    return torch.cat([low, masks], -1).contiguous()
 
 
 def pack_int8(q: torch.Tensor, group: int) -> torch.Tensor:
@@ -72,16 +88,19 @@ class QWeight:
         low = None if low is None else low.detach()
         N, K = q.shape
         group = K // scale.shape[1] if scale.shape[1] else 0
-        supported = {4: (32,), 8: (16, 32)}[bits]
+        if bits == 8 and group == 32 and q.numel() and -16 <= int(q.min()) <= int(q.max()) <= 15:
+            bits = 5  # 8-bit levels that fit in 5 (GGUF Q5_0's): 5.5 bits a weight, not 8.5
+        supported = {4: (32,), 5: (32,), 8: (16, 32)}[bits]
         if group not in supported or K % group or N % 16:
             raise CloverError(
                 f"int{bits} weights of shape [{N}, {K}] in groups of {group}: the kernel takes "
                 f"N a multiple of 16 and groups of {' or '.join(map(str, supported))} along K"
             )
-        lo_level, hi_level = (0, 15) if bits == 4 else (-128, 127)
+        lo_level, hi_level = {4: (0, 15), 5: (-16, 15), 8: (-128, 127)}[bits]
         if int(q.min()) < lo_level or int(q.max()) > hi_level:
             raise CloverError(f"int{bits} levels outside {lo_level}..{hi_level}")
-        packed = pack_int4(q) if bits == 4 else pack_int8(q, group)
+        pack = {4: pack_int4, 5: pack_int5, 8: lambda q: pack_int8(q, group)}[bits]
+        packed = pack(q)
         return cls(bits, group, N, K, packed, pack_scales(scale, low))
 
     def matmul(

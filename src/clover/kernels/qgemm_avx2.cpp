@@ -22,15 +22,24 @@ namespace clover {
 namespace {
 
 // pair p of a tile -> w[h]: rows 4h..4h+3 x (k even, k odd) as float32
-template <bool INT4>
+template <int BITS>
 CLOVER_INLINE void unpack_pair(const uint8_t* base, int p, __m256* w) {
+  uint32_t high = 0;  // int5: bit w = the high bit of word w's level (qgemm.h)
+  if (BITS == 5) std::memcpy(&high, base + 256 + 4 * p, 4);
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int h = 0; h < 4; ++h) {
     __m256i d;
-    if (INT4) {
+    if (BITS != 8) {
       const uint8_t* words = base + 64 * (p / 4) + 16 * h;
       d = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words)));
       d = _mm256_srl_epi32(d, _mm_cvtsi32_si128(4 * (p % 4)));
       d = _mm256_and_si256(d, _mm256_set1_epi32(15));
+      if (BITS == 5) {  // + 16 where the high bit is set, then -16: levels -16..15
+        const __m256i m = _mm256_set1_epi32(static_cast<int>((high >> (8 * h)) & 0xff));
+        const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(m, bit), bit);
+        d = _mm256_add_epi32(d, _mm256_and_si256(set, _mm256_set1_epi32(16)));
+        d = _mm256_sub_epi32(d, _mm256_set1_epi32(16));
+      }
     } else {
       d = _mm256_cvtepi8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + 32 * p + 8 * h)));
@@ -66,9 +75,10 @@ CLOVER_INLINE void load_dup(const void* p, int64_t at, bool even_only, __m256* o
 
 constexpr int64_t kRowChunk = 64;
 
-template <int P, bool INT4, bool LOW, bool F16>
+template <int P, int BITS, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, G = K / a.group, tile = INT4 ? 256 : 32 * P, per = LOW ? 32 : 16;
+  const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16;
+  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
   alignas(32) float y[kRowChunk * 32];  // (row, parity) lanes
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m0 = 0; m0 < a.M; m0 += kRowChunk) {
@@ -87,7 +97,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           for (int r = 0; r < 2; ++r)
             for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_setzero_ps();
           for (int p = 0; p < P; ++p) {
-            unpack_pair<INT4>(base, p, w);
+            unpack_pair<BITS>(base, p, w);
             for (int r = 0; r < mb; ++r) {
               const __m256 bx = pair(x + r * K + 2 * p);
               for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_fmadd_ps(w[h], bx, acc[r][h]);
@@ -119,23 +129,25 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
   }
 }
 
-template <int P, bool INT4>
+template <int P, int BITS>
 void run_scales(const QGemm& a, int64_t t0, int64_t t1) {
   if (a.has_low)
-    a.f16_scales ? run<P, INT4, true, true>(a, t0, t1) : run<P, INT4, true, false>(a, t0, t1);
+    a.f16_scales ? run<P, BITS, true, true>(a, t0, t1) : run<P, BITS, true, false>(a, t0, t1);
   else
-    a.f16_scales ? run<P, INT4, false, true>(a, t0, t1) : run<P, INT4, false, false>(a, t0, t1);
+    a.f16_scales ? run<P, BITS, false, true>(a, t0, t1) : run<P, BITS, false, false>(a, t0, t1);
 }
 
 }  // namespace
 
 void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1) {
   if (a.bits == 4)
-    run_scales<16, true>(a, t0, t1);
+    run_scales<16, 4>(a, t0, t1);
+  else if (a.bits == 5)
+    run_scales<16, 5>(a, t0, t1);
   else if (a.group == 32)
-    run_scales<16, false>(a, t0, t1);
+    run_scales<16, 8>(a, t0, t1);
   else
-    run_scales<8, false>(a, t0, t1);
+    run_scales<8, 8>(a, t0, t1);
 }
 
 }  // namespace clover

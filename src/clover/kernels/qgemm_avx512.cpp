@@ -32,13 +32,35 @@ CLOVER_INLINE __m512i nibble_table() {
   return _mm512_load_si512(t);
 }
 
+// bfloat16 bit patterns of -16..15: a 5-bit level's index (nibble + 16 x high bit) maps to
+// its value
+CLOVER_INLINE __m512i signed5_table() {
+  alignas(64) static const uint16_t t[32] = {
+      0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110,
+      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  return _mm512_load_si512(t);
+}
+
 // Pair p of a tile as a vector of [16 rows x 2 k] bfloat16 levels.
 // int4 (256 bytes): chunk p / 4 holds pairs 4c..4c+3, one nibble of every word each.
-template <bool INT4>
+// int5 (320 bytes): the int4 layout of the low 4 bits, then one 32-bit mask per pair whose
+// bit w is the high bit of word w's level: index = nibble | 16 x bit, read in the -16..15 table.
+template <int BITS>
 CLOVER_INLINE __m512i unpack_pair(const uint8_t* base, int p, __m512i table) {
-  if (INT4) {
+  if (BITS == 4) {
     const __m512i v = _mm512_loadu_si512(base + 64 * (p / 4));
     return _mm512_permutexvar_epi16(p % 4 ? _mm512_srli_epi16(v, 4 * (p % 4)) : v, table);
+  }
+  if (BITS == 5) {
+    const __m512i v = _mm512_loadu_si512(base + 64 * (p / 4));
+    __m512i nib = p % 4 ? _mm512_srli_epi16(v, 4 * (p % 4)) : v;
+    nib = _mm512_and_si512(nib, _mm512_set1_epi16(15));
+    uint32_t high;
+    std::memcpy(&high, base + 256 + 4 * p, 4);
+    nib = _mm512_mask_add_epi16(nib, static_cast<__mmask32>(high), nib, _mm512_set1_epi16(16));
+    return _mm512_permutexvar_epi16(nib, table);
   }
   // int8 (32 bytes a pair): |level| <= 127 is exact in bfloat16
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * p));
@@ -65,7 +87,7 @@ CLOVER_INLINE __m512i pair(const uint16_t* x) {
 // pairs come unpacked from `wbuf` (several row blocks share one unpacking) or, when wbuf is
 // null, are unpacked on the fly (one block: nothing to share, no store and reload).
 // y [MB, 16] += scale * dot + low * xsum
-template <int MB, int NA, int P, bool INT4, bool LOW>
+template <int MB, int NA, int P, int BITS, bool LOW>
 CLOVER_INLINE void micro(const uint8_t* base, const __m512i* wbuf, __m512i table, __m512 s,
                          __m512 l, const uint16_t* x, int64_t K, const float* xs, int64_t G,
                          float* y) {
@@ -73,7 +95,7 @@ CLOVER_INLINE void micro(const uint8_t* base, const __m512i* wbuf, __m512i table
   for (int r = 0; r < MB; ++r)
     for (int a = 0; a < NA; ++a) acc[r][a] = _mm512_setzero_ps();
   for (int p = 0; p < P; ++p) {
-    const __m512i w = wbuf ? _mm512_load_si512(wbuf + p) : unpack_pair<INT4>(base, p, table);
+    const __m512i w = wbuf ? _mm512_load_si512(wbuf + p) : unpack_pair<BITS>(base, p, table);
     for (int r = 0; r < MB; ++r)
       acc[r][p % NA] =
           _mm512_dpbf16_ps(acc[r][p % NA], (__m512bh)w, (__m512bh)pair(x + r * K + 2 * p));
@@ -91,42 +113,43 @@ CLOVER_INLINE void micro(const uint8_t* base, const __m512i* wbuf, __m512i table
 // ~115 GFLOP/s a core here, 12 ~180)
 constexpr int64_t kRowBlock = 12;
 
-template <int P, bool INT4, bool LOW>
+template <int P, int BITS, bool LOW>
 CLOVER_INLINE void rows(int64_t mc, const uint8_t* base, __m512i* wbuf, __m512i table, __m512 s,
                         __m512 l, const uint16_t* x, int64_t K, const float* xs, int64_t G,
                         float* y) {
   const __m512i* wb = nullptr;
   if (mc > kRowBlock) {  // several blocks of rows: unpack once into wbuf
-    for (int p = 0; p < P; ++p) _mm512_store_si512(wbuf + p, unpack_pair<INT4>(base, p, table));
+    for (int p = 0; p < P; ++p) _mm512_store_si512(wbuf + p, unpack_pair<BITS>(base, p, table));
     wb = wbuf;
   }
   int64_t r = 0;
   for (; r + kRowBlock <= mc; r += kRowBlock)
-    micro<kRowBlock, 1, P, INT4, LOW>(base, wb, table, s, l, x + r * K, K, xs + r * G, G,
+    micro<kRowBlock, 1, P, BITS, LOW>(base, wb, table, s, l, x + r * K, K, xs + r * G, G,
                                       y + 16 * r);
   x += r * K, xs += r * G, y += 16 * r;
   switch (mc - r) {
-    case 1: micro<1, 4, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 2: micro<2, 2, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 3: micro<3, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 4: micro<4, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 5: micro<5, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 6: micro<6, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 7: micro<7, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 8: micro<8, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 9: micro<9, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 10: micro<10, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
-    case 11: micro<11, 1, P, INT4, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 1: micro<1, 4, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 2: micro<2, 2, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 3: micro<3, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 4: micro<4, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 5: micro<5, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 6: micro<6, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 7: micro<7, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 8: micro<8, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 9: micro<9, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 10: micro<10, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
+    case 11: micro<11, 1, P, BITS, LOW>(base, wb, table, s, l, x, K, xs, G, y); break;
     default: break;
   }
 }
 
 constexpr int64_t kRowChunk = 96;  // rows of x per pass over a tile: y stays in L1
 
-template <int P, bool INT4, bool LOW, bool F16>
+template <int P, int BITS, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, G = K / a.group, tile = INT4 ? 256 : 32 * P, per = LOW ? 32 : 16;
-  const __m512i table = nibble_table();
+  const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16;
+  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
+  const __m512i table = BITS == 5 ? signed5_table() : nibble_table();
   static const float zero = 0.f;
   alignas(64) float y[kRowChunk * 16];
   alignas(64) __m512i wbuf[16];
@@ -140,7 +163,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
         const __m512 s = load16<F16>(a.scales, at);
         const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
         const float* xs = LOW ? a.xsum + m0 * G + g : &zero;
-        rows<P, INT4, LOW>(mc, base, wbuf, table, s, l, a.xb + m0 * K + g * a.group, K, xs,
+        rows<P, BITS, LOW>(mc, base, wbuf, table, s, l, a.xb + m0 * K + g * a.group, K, xs,
                            LOW ? G : 0, y);
       }
       const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + 16 * t) : _mm512_setzero_ps();
@@ -157,23 +180,25 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
   }
 }
 
-template <int P, bool INT4>
+template <int P, int BITS>
 void run_scales(const QGemm& a, int64_t t0, int64_t t1) {
   if (a.has_low)
-    a.f16_scales ? run<P, INT4, true, true>(a, t0, t1) : run<P, INT4, true, false>(a, t0, t1);
+    a.f16_scales ? run<P, BITS, true, true>(a, t0, t1) : run<P, BITS, true, false>(a, t0, t1);
   else
-    a.f16_scales ? run<P, INT4, false, true>(a, t0, t1) : run<P, INT4, false, false>(a, t0, t1);
+    a.f16_scales ? run<P, BITS, false, true>(a, t0, t1) : run<P, BITS, false, false>(a, t0, t1);
 }
 
 }  // namespace
 
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1) {
   if (a.bits == 4)
-    run_scales<16, true>(a, t0, t1);
+    run_scales<16, 4>(a, t0, t1);
+  else if (a.bits == 5)
+    run_scales<16, 5>(a, t0, t1);
   else if (a.group == 32)
-    run_scales<16, false>(a, t0, t1);
+    run_scales<16, 8>(a, t0, t1);
   else
-    run_scales<8, false>(a, t0, t1);
+    run_scales<8, 8>(a, t0, t1);
 }
 
 }  // namespace clover

@@ -23,17 +23,23 @@ float from_f16(uint16_t h) {
   return f;
 }
 
-static int64_t tile_bytes(const QGemm& a) { return a.bits == 4 ? 256 : 16 * a.group; }
+static int64_t tile_bytes(const QGemm& a) {
+  return a.bits == 4 ? 256 : a.bits == 5 ? 320 : 16 * a.group;
+}
 
 int level_at(const QGemm& a, int64_t n, int64_t k) {
   const int64_t G = a.K / a.group, t = n / 16, i = n % 16, g = k / a.group, kk = k % a.group;
   const uint8_t* base = a.q + (t * G + g) * tile_bytes(a);
   const int e = kk % 2;
-  if (a.bits == 4) {
+  if (a.bits != 8) {
     const int c = kk / 8, j = (kk % 8) / 2, w = 2 * i + e;
     uint16_t word;
     std::memcpy(&word, base + c * 64 + w * 2, 2);
-    return (word >> (4 * j)) & 15;
+    const int nibble = (word >> (4 * j)) & 15;
+    if (a.bits == 4) return nibble;
+    uint32_t high;  // int5: pair p = 4c + j's mask, bit w
+    std::memcpy(&high, base + 256 + 4 * (4 * c + j), 4);
+    return nibble + 16 * static_cast<int>((high >> w) & 1u) - 16;
   }
   return static_cast<int8_t>(base[(kk / 2) * 32 + 2 * i + e]);
 }
