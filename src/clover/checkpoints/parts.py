@@ -51,10 +51,11 @@ def series(package: str, version: str, path: str, pins: list[tuple[int, str]]) -
     return tuple(out)
 
 
-def part_file(part: Part) -> Path | None:
-    """The part's file if its package is installed (found without importing the module)."""
+def installed_file(module: str, path: str) -> Path | None:
+    """`path` inside the installed package `module`, if both are there. find_spec does not
+    import the module, so a package with heavy imports (or missing dependencies) never runs."""
     try:
-        spec = importlib.util.find_spec(part.module)
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
     if spec is None:
@@ -63,10 +64,15 @@ def part_file(part: Part) -> Path | None:
     if not folders and spec.origin:
         folders = [str(Path(spec.origin).parent)]
     for folder in folders:
-        candidate = Path(folder) / part.path
+        candidate = Path(folder) / path
         if candidate.is_file():
             return candidate
     return None
+
+
+def part_file(part: Part) -> Path | None:
+    """The part's file if its package is installed."""
+    return installed_file(part.module, part.path)
 
 
 def missing(parts: tuple[Part, ...]) -> list[Part]:

@@ -13,7 +13,6 @@ directory with `config.json`.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -238,20 +237,7 @@ def _locate(entry: ModelEntry) -> Path | None:
         path = assembled_path(entry)
         size = sum(p.size for p in entry.parts)
         return path if path.is_file() and path.stat().st_size == size else None
-    try:
-        spec = importlib.util.find_spec(entry.module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    folders = list(spec.submodule_search_locations or [])
-    if not folders and spec.origin:
-        folders = [str(Path(spec.origin).parent)]
-    for folder in folders:
-        candidate = Path(folder) / entry.filename
-        if candidate.is_file():
-            return candidate
-    return None
+    return split.installed_file(entry.module, entry.filename)
 
 
 def _run_pip(packages: list[str], progress: bool) -> None:
