@@ -1,7 +1,7 @@
 """Soak test of `clover serve`: mixed traffic for a long while, then a health check.
 
-Usage: python benchmarks/soak.py [--model clover-smol-135m] [--minutes 15] [--concurrency 8]
-           [--warmup 1] [--rss-bound 5] [--seed 0] [--server-args "--max-queue 64"]
+Usage: python benchmarks/soak.py [--model qwen2.5-coder-0.5b] [--minutes 15] [--concurrency 8]
+           [--warmup MINUTES] [--rss-bound 5] [--seed 0] [--server-args "--max-queue 64"]
 
 Starts `clover serve` on a free local port (or drives --url, with --pid for its RSS), then
 --concurrency client threads send requests back to back for --minutes: plain and streamed
@@ -12,8 +12,11 @@ surrogate, a refused schema keyword) that must get a 4xx. Answers are short (16-
 
 Reported (printed, and written to benchmarks/results/soak-<model>.json): requests served,
 outcomes by class (ok, expected 4xx, unexpected 4xx, 5xx, connection errors, timeouts) and
-by kind, p50/p95 latency per kind and overall, the server's RSS after --warmup minutes and
-at the end (sampled every 5 s from /proc), and whether a final request still answers.
+by kind, p50/p95 latency per kind and overall, the server's RSS after the warm-up and at the
+end (sampled every 5 s from /proc), and whether a final request still answers. Warm-up: by
+default until the server's prefix cache holds 90% of its bound (/metrics), at most half the
+run: filling a bounded cache is not growth (the default bound is the model's size, so RSS
+climbs for the first minutes); --warmup MINUTES fixes it instead.
 Targets (issue 22): zero 5xx, RSS growth after warm-up under --rss-bound percent, the final
 request answers; the exit status is 1 when one is missed. A progress line every 30 s.
 """
@@ -35,6 +38,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+
+from clover.checkpoints.registry import DEFAULT_MODEL
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = [
@@ -194,6 +199,21 @@ def _error_event(line: str) -> bool:
     return isinstance(payload.get("error"), dict) and "choices" not in payload
 
 
+def prefix_cache_full(url: str, share: float = 0.9) -> bool:
+    """The server's prefix cache holds `share` of its bound (/metrics); False when unknown."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return False
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("clover_prefix_cache_bytes", "clover_prefix_cache_capacity_bytes"):
+            values[name] = float(value)
+    capacity = values.get("clover_prefix_cache_capacity_bytes", 0.0)
+    return capacity > 0 and values.get("clover_prefix_cache_bytes", 0.0) >= share * capacity
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -242,10 +262,11 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="clover-smol-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--minutes", type=float, default=15.0)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--warmup", type=float, default=1.0, help="minutes before the RSS baseline")
+    p.add_argument("--warmup", type=float, help="minutes before the RSS baseline (default: "
+                   "until the prefix cache is 90%% full, at most half the run)")  # fmt: skip
     p.add_argument("--rss-bound", type=float, default=5.0, help="allowed RSS growth, percent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", help="drive a running server instead of starting one")
@@ -263,7 +284,8 @@ def main() -> int:
         pid = proc.pid
     started = time.monotonic()
     deadline = started + args.minutes * 60
-    warm_at = started + min(args.warmup, args.minutes / 2) * 60
+    latest = started + args.minutes / 2 * 60
+    warm_at = None if args.warmup is None else started + min(args.warmup * 60, latest - started)
     outcomes: Counter = Counter()
     by_kind: dict[str, Counter] = defaultdict(Counter)
     latency: dict[str, list[float]] = defaultdict(list)
@@ -294,6 +316,9 @@ def main() -> int:
             value = rss_mb(pid)
             if value is not None:
                 rss.append((now - started, value))
+        if warm_at is None and (now >= latest or prefix_cache_full(url)):
+            warm_at = now
+            print(f"[{(now - started) / 60:5.1f} min] warm: RSS baseline from here", flush=True)
         if now >= next_report:
             with lock:
                 done = sum(outcomes.values())
@@ -311,7 +336,7 @@ def main() -> int:
         json={"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16},
     )  # fmt: skip
     final_ok = final.status_code == 200 and bool(final.json()["choices"][0]["message"]["content"])
-    warm = [v for t, v in rss if t >= warm_at - started]
+    warm = [v for t, v in rss if warm_at is not None and t >= warm_at - started]
     rss_start, rss_end = (warm[0], warm[-1]) if warm else (None, None)
     growth = round(100 * (rss_end - rss_start) / rss_start, 2) if warm else None
     all_latency = [s for values in latency.values() for s in values]
@@ -335,6 +360,7 @@ def main() -> int:
             },  # fmt: skip
         },
         "rss_mb": {
+            "warm_after_min": None if warm_at is None else round((warm_at - started) / 60, 2),
             "after_warmup": rss_start,
             "end": rss_end,
             "growth_percent": growth,
