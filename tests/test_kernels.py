@@ -14,7 +14,7 @@ from clover.quant import Int4Linear, Int4Part, Int8Linear, project, quantize_mod
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler here")
 
-ROWS = (1, 3, 4, 5, 8, 17, 33)  # one row, tile edges of 4 and 12, several blocks, remainders
+ROWS = (1, 2, 3, 4, 5, 8, 16, 17, 18, 19, 33)  # one row, tile edges (4, 12, 16), remainders
 
 
 def available_isas() -> list[str]:

@@ -35,7 +35,7 @@ SOURCES = (
     "qgemm_avx512.cpp",
 )
 HEADERS = ("qgemm.h", "ops.h", "attention.h")
-ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
+ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 
 _state: dict = {}
 
@@ -126,7 +126,8 @@ def load() -> ModuleType | None:
 
 
 def isa() -> int:
-    """The instruction set the kernels use: 2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable."""
+    """The instruction set the kernels use: 3 AMX tiles (passes of several rows) + AVX-512 BF16,
+    2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU kernels are not available")

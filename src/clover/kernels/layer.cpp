@@ -239,7 +239,7 @@ class FusedLayer {
         for (int64_t t = 0; t < T; ++t) {
           const int64_t m = b * T + t;
           attend_query(qkv + m * Nq + h * dh_, K, V, lay.end(b, t), dh_, scale, scores.data(),
-                       out + (m * hq_ + h) * dh_, isa_ == 2);
+                       out + (m * hq_ + h) * dh_, isa_ >= 2);
         }
       }
     });

@@ -5,14 +5,40 @@
 
 #include "ops.h"
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace clover {
+
+namespace {
+
+// AMX tiles (cpuid 7.0: EDX bit 24 AMX-TILE, bit 22 AMX-BF16), usable once Linux grants this
+// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; asked once)
+bool amx_usable() {
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1) || !((d >> 22) & 1)) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 int64_t best_isa() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
-    return 2;
+    return amx_usable() ? 3 : 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
 #endif
   return 0;
@@ -24,7 +50,10 @@ using TileFn = void (*)(const QGemm&, int64_t, int64_t);
 
 TileFn tile_fn(int64_t isa) {
   TORCH_CHECK(isa >= 0 && isa <= best_isa(), "kernel path ", isa, " not supported by this CPU");
-  return isa == 2 ? qgemm_tiles_avx512 : isa == 1 ? qgemm_tiles_avx2 : qgemm_tiles_scalar;
+  return isa == 3   ? qgemm_tiles_amx
+         : isa == 2 ? qgemm_tiles_avx512
+         : isa == 1 ? qgemm_tiles_avx2
+                    : qgemm_tiles_scalar;
 }
 
 // x [..., K] (float32 or bfloat16) -> bfloat16 [M, K] and, for affine levels, its sums per
@@ -133,7 +162,7 @@ at::Tensor unpack_levels(const at::Tensor& q, int64_t bits, int64_t group, int64
 }  // namespace clover
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("best_isa", &clover::best_isa, "2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
+  m.def("best_isa", &clover::best_isa, "3: AMX + AVX-512 BF16, 2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
   m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");
   m.def("unpack_levels", &clover::unpack_levels, "levels [N, K] from the packed layout");
   clover::register_layer(m);

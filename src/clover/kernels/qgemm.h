@@ -45,6 +45,7 @@ struct QGemm {
 void qgemm_tiles_scalar(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
+void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
 
 // The level of row n at k, and the scale/low of (n, group), read from the packed layout
 // (the scalar path and tests of the layout use these).

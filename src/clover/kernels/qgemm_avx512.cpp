@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "qgemm.h"
 
@@ -188,6 +189,146 @@ void run_scales(const QGemm& a, int64_t t0, int64_t t1) {
     a.f16_scales ? run<P, BITS, false, true>(a, t0, t1) : run<P, BITS, false, false>(a, t0, t1);
 }
 
+// AMX path (Intel Sapphire Rapids and later): one `tdpbf16ps` multiplies 16 rows of x by a
+// whole unpacked weight tile (one group of k x 16 columns). The unpacked tile, pair after pair,
+// is already the instruction's B operand (rows of k pairs, each holding 16 columns x 2 k), so
+// only the scaling per group stays on the vector unit. The products are the same exact bfloat16
+// products as above, summed in float32 per group.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// acc [16 rows] += scale * c + low * xsum: one group's products c [16 rows x 16 columns]
+template <bool LOW, bool F16>
+CLOVER_INLINE void amx_scale(const QGemm& a, const float* c, int64_t at, const float* xs,
+                             int64_t G, __m512* acc) {
+  const __m512 s = load16<F16>(a.scales, at);
+  const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < 16; ++r) {
+    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, acc[r]);
+    if (LOW) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G]), l, acc[r]);
+  }
+}
+
+template <int P, int BITS>
+CLOVER_INLINE void unpack_group(const uint8_t* base, __m512i table, __m512i* w) {
+  for (int p = 0; p < P; ++p) _mm512_store_si512(w + p, unpack_pair<BITS>(base, p, table));
+}
+
+// row `row` of the output, columns of tile t: v + bias
+CLOVER_INLINE void store_row(const QGemm& a, int64_t t, int64_t row, __m512 v) {
+  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
+  const int64_t o = row * a.N + 16 * t;
+  if (a.out_f32)
+    _mm512_storeu_ps(a.out_f32 + o, v);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out_bf16 + o), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// passes of fewer rows than this stay on `vdpbf16ps`, and so do the last rows of a pass when
+// fewer than this are left after its blocks of 16 (measured on a Xeon with AMX: an AMX block
+// costs about as much as 3 rows on `vdpbf16ps`)
+constexpr int64_t kAmxMinRows = 3;
+
+template <int P, int BITS, bool LOW, bool F16>
+__attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_t t0,
+                                                          int64_t t1) {
+  const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16, M = a.M;
+  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
+  const __m512i table = BITS == 5 ? signed5_table() : nibble_table();
+  // tiles read 16 rows of x (and of its group sums): the rows after the last multiple of 16
+  // are copied once, padded with zeros
+  const int64_t full = M / 16 * 16;
+  std::vector<uint16_t> pad(M > full ? 16 * K : 0, 0);
+  std::vector<float> pad_xs(M > full && LOW ? 16 * G : 0, 0.f);
+  if (M > full) {
+    std::memcpy(pad.data(), a.xb + full * K, sizeof(uint16_t) * (M - full) * K);
+    if (LOW) std::memcpy(pad_xs.data(), a.xsum + full * G, sizeof(float) * (M - full) * G);
+  }
+  // a weight tile's groups, unpacked once for every row of x by the first block of rows, two
+  // groups ahead of the tile loads that read them (a tile load does not take data from stores
+  // still in flight)
+  std::vector<__m512i> w(G * P);
+  TileConfig cfg;
+  for (int i : {0, 1}) {
+    cfg.rows[i] = 16, cfg.colsb[i] = 64;          // C: 16 rows of x x 16 columns, float32
+    cfg.rows[2 + i] = 16, cfg.colsb[2 + i] = 4 * P;  // A: 16 rows of x x one group, bfloat16
+    cfg.rows[4 + i] = P, cfg.colsb[4 + i] = 64;   // B: one group of the weight tile
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[2][16 * 16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* base = a.q + t * G * tile;
+    const int64_t at = t * G * per;
+    for (int64_t m = 0; m < M; m += 16) {
+      if (m > 0 && M - m < kAmxMinRows) {  // a row or two left: on the unpacked groups
+        static const float zero = 0.f;
+        alignas(64) float y[16 * kAmxMinRows] = {};
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 s = load16<F16>(a.scales, at + g * per);
+          const __m512 l = LOW ? load16<F16>(a.scales, at + g * per + 16) : _mm512_setzero_ps();
+          const uint16_t* x = a.xb + m * K + g * a.group;
+          const float* xs = LOW ? a.xsum + m * G + g : &zero;
+          if (M - m == 1)
+            micro<1, 4, P, BITS, LOW>(nullptr, &w[g * P], table, s, l, x, K, xs, LOW ? G : 0, y);
+          else
+            micro<2, 2, P, BITS, LOW>(nullptr, &w[g * P], table, s, l, x, K, xs, LOW ? G : 0, y);
+        }
+        for (int64_t r = 0; r < M - m; ++r) store_row(a, t, m + r, _mm512_load_ps(y + 16 * r));
+        break;
+      }
+      const bool first = m == 0, padded = m + 16 > M;
+      const uint16_t* xa = padded ? pad.data() : a.xb + m * K;
+      const float* xs = !LOW ? nullptr : padded ? pad_xs.data() : a.xsum + m * G;
+      if (first)
+        for (int64_t g = 0; g < std::min<int64_t>(2, G); ++g)
+          unpack_group<P, BITS>(base + g * tile, table, &w[g * P]);
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      int64_t g = 0;
+      for (; g + 2 <= G; g += 2) {  // two groups in flight
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, xa + g * a.group, 2 * K);
+        _tile_loadd(4, &w[g * P], 64);
+        _tile_loadd(3, xa + (g + 1) * a.group, 2 * K);
+        _tile_loadd(5, &w[(g + 1) * P], 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        if (first)
+          for (int64_t u = g + 2; u < std::min(g + 4, G); ++u)
+            unpack_group<P, BITS>(base + u * tile, table, &w[u * P]);
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        amx_scale<LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);
+        amx_scale<LOW, F16>(a, c[1], at + (g + 1) * per, LOW ? xs + g + 1 : nullptr, G, acc);
+      }
+      if (g < G) {
+        _tile_zero(0);
+        _tile_loadd(2, xa + g * a.group, 2 * K);
+        _tile_loadd(4, &w[g * P], 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_stored(0, c[0], 64);
+        amx_scale<LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);
+      }
+      for (int64_t r = 0; r < std::min<int64_t>(16, M - m); ++r) store_row(a, t, m + r, acc[r]);
+    }
+  }
+  _tile_release();
+}
+
+template <int P, int BITS>
+void run_amx_scales(const QGemm& a, int64_t t0, int64_t t1) {
+  if (a.has_low)
+    a.f16_scales ? run_amx<P, BITS, true, true>(a, t0, t1)
+                 : run_amx<P, BITS, true, false>(a, t0, t1);
+  else
+    a.f16_scales ? run_amx<P, BITS, false, true>(a, t0, t1)
+                 : run_amx<P, BITS, false, false>(a, t0, t1);
+}
+
 }  // namespace
 
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1) {
@@ -201,6 +342,19 @@ void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1) {
     run_scales<8, 8>(a, t0, t1);
 }
 
+void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1) {
+  if (a.M < kAmxMinRows)
+    qgemm_tiles_avx512(a, t0, t1);
+  else if (a.bits == 4)
+    run_amx_scales<16, 4>(a, t0, t1);
+  else if (a.bits == 5)
+    run_amx_scales<16, 5>(a, t0, t1);
+  else if (a.group == 32)
+    run_amx_scales<16, 8>(a, t0, t1);
+  else
+    run_amx_scales<8, 8>(a, t0, t1);
+}
+
 }  // namespace clover
 
 #if defined(__clang__)
@@ -212,5 +366,6 @@ void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1) {
 #include "qgemm.h"
 namespace clover {
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1) { qgemm_tiles_scalar(a, t0, t1); }
+void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1) { qgemm_tiles_scalar(a, t0, t1); }
 }  // namespace clover
 #endif
