@@ -36,6 +36,11 @@ SOURCES = (
 )
 HEADERS = ("qgemm.h", "ops.h", "attention.h")
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
+# -fopenmp: `at::parallel_for` is inline OpenMP in PyTorch's headers, so without it every
+# kernel ran on one thread (the first builds did: 2 threads gave the speed of 1). The
+# extension then needs libgomp.so.1, the runtime PyTorch has already loaded.
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _state: dict = {}
 
@@ -66,6 +71,7 @@ def _key(here: Path, compiler: str) -> str:
     # sharing a build dir rebuilt each other's objects at every load
     h.update(str(Path(torch.__file__).parent).encode())
     h.update(compiler.encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     return h.hexdigest()[:16]
 
 
@@ -113,7 +119,8 @@ def load() -> ModuleType | None:
             module = cpp_extension.load(
                 name=f"clover_kernels_{key}",
                 sources=[str(here / s) for s in SOURCES],
-                extra_cflags=["-O3", "-std=c++17", "-fopenmp-simd"],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 build_directory=str(target),
                 verbose=False,
             )
