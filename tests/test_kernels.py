@@ -135,8 +135,8 @@ def fused_and_modules(model: LlamaModel) -> tuple[LlamaModel, LlamaModel]:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_fused_layers_match_the_modules(model_type):
-    """Prefill with padding (rows of different lengths), AR steps, a block pass with commits
-    in front, a verify-like causal pass, and a wide pass (PyTorch's attention inside)."""
+    """Prefill with padding (rows of different lengths), AR steps, block passes with commits
+    in front, verify-like causal passes, and a wide pass (PyTorch's attention inside)."""
     model = tiny_llama(model_type)
     fast, ref = fused_and_modules(model)
     g = torch.Generator().manual_seed(5)
@@ -148,6 +148,8 @@ def test_fused_layers_match_the_modules(model_type):
         (ids[:, :1], {}),
         (torch.randint(4, 256, (2, 5), generator=g), block),
         (torch.randint(4, 256, (2, 4), generator=g), {}),
+        (torch.randint(4, 256, (2, 18), generator=g), {}),  # 4 queries a task in attention
+        (torch.randint(4, 256, (2, 17), generator=g), block),
         (torch.randint(4, 256, (2, 70), generator=g), {}),
     ]
     with torch.inference_mode():
@@ -219,6 +221,28 @@ def test_8bit_parts_of_other_groups_stay_apart():
     with torch.inference_mode():
         q(torch.randint(4, 256, (1, 5)))
     assert not q.fused
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("dh", [64, 32, 24])  # 24: not a multiple of 16, the portable loops
+def test_attention_matches_softmax_reference(isa, dh, monkeypatch):
+    """Queries 4 at a time over one cache (keys and values read once for all), each with its
+    own visible length, against softmax(q K^T / sqrt(dh)) V in float64."""
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    g = torch.Generator().manual_seed(3)
+    S = 37
+    K, V = torch.randn(S, dh, generator=g), torch.randn(S, dh, generator=g)
+    for n in (1, 2, 3, 4, 5, 7, 9):
+        q = torch.randn(n, dh, generator=g) * 2
+        ends = torch.randint(1, S + 1, (n,), generator=g)
+        ends[0] = S  # the last key, and a short one where there is room
+        if n > 1:
+            ends[1] = 1
+        out = kernels.load().attention(q, K, V, ends, kernels.isa())
+        for i in range(n):
+            e = int(ends[i])
+            w = torch.softmax(q[i].double() @ K[:e].double().t() / dh**0.5, -1)
+            torch.testing.assert_close(out[i].double(), w @ V[:e].double(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", available_isas())

@@ -392,15 +392,40 @@ TREES = st.lists(
 )
 
 
+def same_or_tie(model, prompt, warm, cold, tie=1e-3):
+    """Warm and cold answers are equal, or they part where the two tokens were tied: a
+    prefill split at a snapshot sums in another order than a whole one (float32, ~1e-5), and
+    random tiny models do hit ties (hypothesis found 10.1269 vs 10.1268 on the hybrid)."""
+    if warm == cold:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(warm, cold)) if a != b), min(len(warm), len(cold)))
+    assert i < len(warm) and i < len(cold), (warm, cold)  # one stopped early: not a tie
+    with torch.inference_mode():
+        h = model(torch.tensor([prompt + cold[:i]]), model.make_cache(1), "causal")
+        logits = model.logits(h)[0, -1]
+    gap = float((logits[warm[i]] - logits[cold[i]]).abs())
+    assert gap < tie, f"warm {warm} vs cold {cold}: token {i} differs by {gap:.2e} in logits"
+
+
+def test_only_ties_may_part_warm_and_cold_answers():
+    with pytest.raises(AssertionError, match="differs by"):
+        same_or_tie(HYBRID, [63, 31, 31], [1, 2, 3], [1, 5, 3])
+    with pytest.raises(AssertionError):
+        same_or_tie(HYBRID, [63, 31, 31], [1, 2], [1, 2, 3])  # stopped early
+    same_or_tie(HYBRID, [63, 31], [7, 8], [7, 8])
+
+
 def answer_tree(model, tree, policy, cache, max_new):
     """Prompts that extend earlier ones (a random tree), answered in order through one cache:
-    every warm answer equals its cold one and the invariants hold after each."""
+    every warm answer equals its cold one (or parts at a tie) and the invariants hold after
+    each."""
     prompts: list[list[int]] = []
     for parent, suffix in tree:
         base = prompts[parent] if 0 <= parent < len(prompts) else []
         prompts.append(base + suffix)
         warm = run(model, prompts[-1], policy, cache, max_new=max_new)
-        assert warm.tokens == run(model, prompts[-1], policy, max_new=max_new).tokens
+        cold = run(model, prompts[-1], policy, max_new=max_new)
+        same_or_tie(model, prompts[-1], warm.tokens, cold.tokens)
         check_invariants(cache)
     assert not cache.report()["pinned_blocks"]
 

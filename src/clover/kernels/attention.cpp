@@ -134,6 +134,87 @@ __attribute__((target("avx512f,avx512dq"))) static void attend_avx512(
                        _mm512_mul_ps(_mm512_add_ps(o[0][j], o[1][j]), _mm512_set1_ps(inv)));
   }
 }
+
+// Up to 4 queries of one head at once (tokens of one pass): each key and value row is loaded
+// once for all of them instead of once per query, which is what bounds the one-query loop.
+// Query i sees keys [0, ends[i]); scores: scratch of 4 x `stride` (>= max end) floats.
+template <int NQ>
+__attribute__((target("avx512f,avx512dq"))) static void attend_multi_avx512(
+    const float* const* q, const int64_t* ends, const float* K, const float* V, int64_t Dh,
+    float scale, float* scores, int64_t stride, float* const* out) {
+  const int64_t C = Dh / 16;
+  int64_t E = 0;
+  for (int i = 0; i < NQ; ++i) E = std::max(E, ends[i]);
+  // scores, 4 keys at a time: NQ x 4 accumulators over the head's chunks
+  for (int64_t s = 0; s < E; s += 4) {
+    __m512 acc[NQ][4];
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    const float* rows[4];
+    for (int j = 0; j < 4; ++j) rows[j] = K + std::min(s + j, E - 1) * Dh;  // stay in the cache
+    for (int64_t c = 0; c < C; ++c) {
+      __m512 k[4];
+      for (int j = 0; j < 4; ++j) k[j] = _mm512_loadu_ps(rows[j] + 16 * c);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 qc = _mm512_loadu_ps(q[i] + 16 * c);
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(qc, k[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 r = reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      const __m128 t = _mm_add_ps(
+          _mm_add_ps(_mm512_castps512_ps128(r), _mm512_extractf32x4_ps(r, 1)),
+          _mm_add_ps(_mm512_extractf32x4_ps(r, 2), _mm512_extractf32x4_ps(r, 3)));
+      alignas(16) float v[4];
+      _mm_store_ps(v, _mm_mul_ps(t, _mm_set1_ps(scale)));
+      for (int j = 0; j < 4 && s + j < E; ++j)
+        scores[i * stride + s + j] = s + j < ends[i] ? v[j] : -INFINITY;
+    }
+  }
+  // softmax per query; the keys a query does not see weigh 0
+  float inv[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    float* sc = scores + i * stride;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < E; s += 16) {
+      const __mmask16 k = E - s >= 16 ? 0xffff : static_cast<__mmask16>((1u << (E - s)) - 1);
+      top = _mm512_mask_max_ps(top, k, top, _mm512_maskz_loadu_ps(k, sc + s));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t s = 0; s < E; s += 16) {
+      const __mmask16 k = E - s >= 16 ? 0xffff : static_cast<__mmask16>((1u << (E - s)) - 1);
+      const __mmask16 seen = k & (ends[i] - s >= 16 ? 0xffff
+                                  : ends[i] > s ? static_cast<__mmask16>((1u << (ends[i] - s)) - 1)
+                                               : 0);
+      const __m512 e = _mm512_maskz_mov_ps(
+          seen, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), m)));
+      _mm512_mask_storeu_ps(sc + s, k, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv[i] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // out = sum_t p_t V[t], every value row loaded once for the NQ queries: chunks of the head
+  // in groups that keep NQ x cs accumulators in registers
+  constexpr int CS = 16 / NQ;
+  for (int64_t c0 = 0; c0 < C; c0 += CS) {
+    const int cs = static_cast<int>(std::min<int64_t>(CS, C - c0));
+    __m512 o[NQ][CS];
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < CS; ++j) o[i][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < E; ++t) {
+      const float* v = V + t * Dh + 16 * c0;
+      for (int j = 0; j < cs; ++j) {
+        const __m512 vj = _mm512_loadu_ps(v + 16 * j);
+        for (int i = 0; i < NQ; ++i)
+          o[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[i * stride + t]), vj, o[i][j]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < cs; ++j)
+        _mm512_storeu_ps(out[i] + 16 * (c0 + j), _mm512_mul_ps(o[i][j], _mm512_set1_ps(inv[i])));
+  }
+}
 #endif
 
 void attend_query(const float* q, const float* K, const float* V, int64_t end, int64_t Dh,
@@ -142,6 +223,27 @@ void attend_query(const float* q, const float* K, const float* V, int64_t end, i
   if (avx512 && Dh % 16 == 0) return attend_avx512(q, K, V, end, Dh, scale, scores, out);
 #endif
   attend_portable(q, K, V, end, Dh, scale, scores, out);
+}
+
+}  // namespace clover
+
+namespace clover {
+
+void attend_queries(const float* const* q, const int64_t* ends, int n, const float* K,
+                    const float* V, int64_t Dh, float scale, float* scores, int64_t stride,
+                    float* const* out, bool avx512) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx512 && Dh % 16 == 0) {
+    switch (n) {
+      case 4: return attend_multi_avx512<4>(q, ends, K, V, Dh, scale, scores, stride, out);
+      case 3: return attend_multi_avx512<3>(q, ends, K, V, Dh, scale, scores, stride, out);
+      case 2: return attend_multi_avx512<2>(q, ends, K, V, Dh, scale, scores, stride, out);
+      default: break;
+    }
+  }
+#endif
+  for (int i = 0; i < n; ++i)
+    attend_query(q[i], K, V, ends[i], Dh, scale, scores + i * stride, out[i], avx512);
 }
 
 }  // namespace clover

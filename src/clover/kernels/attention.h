@@ -32,4 +32,11 @@ inline float exp_approx(float x) {
 void attend_query(const float* q, const float* K, const float* V, int64_t end, int64_t Dh,
                   float scale, float* scores, float* out, bool avx512);
 
+// The same for n <= 4 queries of one head (tokens of one pass), query i over keys
+// [0, ends[i]); scores: scratch of n x `stride` (>= every end) floats. With AVX-512 the key and
+// value rows are read once for all n queries.
+void attend_queries(const float* const* q, const int64_t* ends, int n, const float* K,
+                    const float* V, int64_t Dh, float scale, float* scores, int64_t stride,
+                    float* const* out, bool avx512);
+
 }  // namespace clover

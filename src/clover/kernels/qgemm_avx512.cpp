@@ -200,13 +200,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// acc [16 rows] += scale * c + low * xsum: one group's products c [16 rows x 16 columns]
-template <bool LOW, bool F16>
+// acc [NR rows] += scale * c + low * xsum: one group's products c [NR rows x 16 columns]
+template <int NR, bool LOW, bool F16>
 CLOVER_INLINE void amx_scale(const QGemm& a, const float* c, int64_t at, const float* xs,
                              int64_t G, __m512* acc) {
   const __m512 s = load16<F16>(a.scales, at);
   const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < 16; ++r) {
+  for (int r = 0; r < NR; ++r) {
     acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), s, acc[r]);
     if (LOW) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G]), l, acc[r]);
   }
@@ -232,17 +232,18 @@ CLOVER_INLINE void store_row(const QGemm& a, int64_t t, int64_t row, __m512 v) {
 // costs about as much as 3 rows on `vdpbf16ps`)
 constexpr int64_t kAmxMinRows = 3;
 
-template <int P, int BITS, bool LOW, bool F16>
+// NR: rows of x per tile, 16 or (passes of up to 4 rows: a verify pass) 4
+template <int P, int BITS, bool LOW, bool F16, int NR>
 __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_t t0,
                                                           int64_t t1) {
   const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16, M = a.M;
   const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
   const __m512i table = BITS == 5 ? signed5_table() : nibble_table();
-  // tiles read 16 rows of x (and of its group sums): the rows after the last multiple of 16
+  // tiles read NR rows of x (and of its group sums): the rows after the last multiple of NR
   // are copied once, padded with zeros
-  const int64_t full = M / 16 * 16;
-  std::vector<uint16_t> pad(M > full ? 16 * K : 0, 0);
-  std::vector<float> pad_xs(M > full && LOW ? 16 * G : 0, 0.f);
+  const int64_t full = M / NR * NR;
+  std::vector<uint16_t> pad(M > full ? NR * K : 0, 0);
+  std::vector<float> pad_xs(M > full && LOW ? NR * G : 0, 0.f);
   if (M > full) {
     std::memcpy(pad.data(), a.xb + full * K, sizeof(uint16_t) * (M - full) * K);
     if (LOW) std::memcpy(pad_xs.data(), a.xsum + full * G, sizeof(float) * (M - full) * G);
@@ -253,16 +254,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_
   std::vector<__m512i> w(G * P);
   TileConfig cfg;
   for (int i : {0, 1}) {
-    cfg.rows[i] = 16, cfg.colsb[i] = 64;          // C: 16 rows of x x 16 columns, float32
-    cfg.rows[2 + i] = 16, cfg.colsb[2 + i] = 4 * P;  // A: 16 rows of x x one group, bfloat16
+    cfg.rows[i] = NR, cfg.colsb[i] = 64;          // C: NR rows of x x 16 columns, float32
+    cfg.rows[2 + i] = NR, cfg.colsb[2 + i] = 4 * P;  // A: NR rows of x x one group, bfloat16
     cfg.rows[4 + i] = P, cfg.colsb[4 + i] = 64;   // B: one group of the weight tile
   }
   _tile_loadconfig(&cfg);
-  alignas(64) float c[2][16 * 16];
+  alignas(64) float c[2][NR * 16];
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* base = a.q + t * G * tile;
     const int64_t at = t * G * per;
-    for (int64_t m = 0; m < M; m += 16) {
+    for (int64_t m = 0; m < M; m += NR) {
       if (m > 0 && M - m < kAmxMinRows) {  // a row or two left: on the unpacked groups
         static const float zero = 0.f;
         alignas(64) float y[16 * kAmxMinRows] = {};
@@ -279,14 +280,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_
         for (int64_t r = 0; r < M - m; ++r) store_row(a, t, m + r, _mm512_load_ps(y + 16 * r));
         break;
       }
-      const bool first = m == 0, padded = m + 16 > M;
+      const bool first = m == 0, padded = m + NR > M;
       const uint16_t* xa = padded ? pad.data() : a.xb + m * K;
       const float* xs = !LOW ? nullptr : padded ? pad_xs.data() : a.xsum + m * G;
       if (first)
         for (int64_t g = 0; g < std::min<int64_t>(2, G); ++g)
           unpack_group<P, BITS>(base + g * tile, table, &w[g * P]);
-      __m512 acc[16];
-      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      __m512 acc[NR];
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
       int64_t g = 0;
       for (; g + 2 <= G; g += 2) {  // two groups in flight
         _tile_zero(0);
@@ -302,8 +303,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_
             unpack_group<P, BITS>(base + u * tile, table, &w[u * P]);
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        amx_scale<LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);
-        amx_scale<LOW, F16>(a, c[1], at + (g + 1) * per, LOW ? xs + g + 1 : nullptr, G, acc);
+        amx_scale<NR, LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);
+        amx_scale<NR, LOW, F16>(a, c[1], at + (g + 1) * per, LOW ? xs + g + 1 : nullptr, G, acc);
       }
       if (g < G) {
         _tile_zero(0);
@@ -311,22 +312,30 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_
         _tile_loadd(4, &w[g * P], 64);
         _tile_dpbf16ps(0, 2, 4);
         _tile_stored(0, c[0], 64);
-        amx_scale<LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);
+        amx_scale<NR, LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);
       }
-      for (int64_t r = 0; r < std::min<int64_t>(16, M - m); ++r) store_row(a, t, m + r, acc[r]);
+      for (int64_t r = 0; r < std::min<int64_t>(NR, M - m); ++r) store_row(a, t, m + r, acc[r]);
     }
   }
   _tile_release();
 }
 
-template <int P, int BITS>
+template <int P, int BITS, int NR>
 void run_amx_scales(const QGemm& a, int64_t t0, int64_t t1) {
   if (a.has_low)
-    a.f16_scales ? run_amx<P, BITS, true, true>(a, t0, t1)
-                 : run_amx<P, BITS, true, false>(a, t0, t1);
+    a.f16_scales ? run_amx<P, BITS, true, true, NR>(a, t0, t1)
+                 : run_amx<P, BITS, true, false, NR>(a, t0, t1);
   else
-    a.f16_scales ? run_amx<P, BITS, false, true>(a, t0, t1)
-                 : run_amx<P, BITS, false, false>(a, t0, t1);
+    a.f16_scales ? run_amx<P, BITS, false, true, NR>(a, t0, t1)
+                 : run_amx<P, BITS, false, false, NR>(a, t0, t1);
+}
+
+template <int P, int BITS>
+void run_amx_rows(const QGemm& a, int64_t t0, int64_t t1) {
+  if (a.M <= 4)
+    run_amx_scales<P, BITS, 4>(a, t0, t1);
+  else
+    run_amx_scales<P, BITS, 16>(a, t0, t1);
 }
 
 }  // namespace
@@ -346,13 +355,13 @@ void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1) {
   if (a.M < kAmxMinRows)
     qgemm_tiles_avx512(a, t0, t1);
   else if (a.bits == 4)
-    run_amx_scales<16, 4>(a, t0, t1);
+    run_amx_rows<16, 4>(a, t0, t1);
   else if (a.bits == 5)
-    run_amx_scales<16, 5>(a, t0, t1);
+    run_amx_rows<16, 5>(a, t0, t1);
   else if (a.group == 32)
-    run_amx_scales<16, 8>(a, t0, t1);
+    run_amx_rows<16, 8>(a, t0, t1);
   else
-    run_amx_scales<8, 8>(a, t0, t1);
+    run_amx_rows<8, 8>(a, t0, t1);
 }
 
 }  // namespace clover
