@@ -6,8 +6,10 @@ target to verify causally (`self_spec` with `draft="drafter"`).
   concatenated [k * D], projected (linear + RMSNorm) to the context vector c_t. Each drafter
   layer reads the context through its own key/value projections of c_t.
 - Block: B positions [the last verified token, MASK x (B - 1)] at positions p .. p + B - 1,
-  embedded with the target's (frozen, not stored) table and a learned [MASK] vector. Queries
-  come from the block; the block sees every context position before p and itself both ways.
+  embedded with the target's table (frozen, not stored), [MASK] as the target's embedding of
+  `mask_token_id`. Queries and keys get a per-head RMSNorm before RoPE. Queries come from the
+  block; the block sees every context position before p and itself both ways. (Both as in the
+  `speculators` DFlash layout, so an export loads there as it runs here.)
 - Output: the target's LM head (frozen) on the final hidden state; block position i >= 1
   predicts the token at position p + i.
 
@@ -63,7 +65,7 @@ class DrafterConfig:
     head_dim: int = 64
     intermediate_size: int = 1024
     block_size: int = 16
-    mask_token_id: int = 0  # the [MASK] id written to exported configs (the input is learned)
+    mask_token_id: int = 0  # masked positions read the target's embedding of this token
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
@@ -107,14 +109,24 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(D, self.nkv * self.dh, bias=False)
         self.v_proj = nn.Linear(D, self.nkv * self.dh, bias=False)
         self.o_proj = nn.Linear(self.nq * self.dh, D, bias=False)
+        # per-head RMSNorm of q and k before RoPE (Qwen3's), as the published DFlash layer has
+        self.q_norm = RMSNorm(self.dh, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.dh, c.rms_norm_eps)
 
-    def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int,
+               norm: nn.Module | None = None) -> torch.Tensor:  # fmt: skip
         B, T, _ = x.shape
-        return proj(x).view(B, T, n, self.dh).transpose(1, 2)  # [B, n, T, Dh]
+        h = proj(x).view(B, T, n, self.dh)
+        return (h if norm is None else norm(h)).transpose(1, 2)  # [B, n, T, Dh]
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self._heads(h, self.q_proj, self.nq, self.q_norm),
+                self._heads(h, self.k_proj, self.nkv, self.k_norm),
+                self._heads(h, self.v_proj, self.nkv))  # fmt: skip
 
     def context_kv(self, c: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """c [B, T, D] -> k, v [B, Hkv, T, Dh] (k rotated)."""
-        k = apply_rope(self._heads(c, self.k_proj, self.nkv), *rope)
+        k = apply_rope(self._heads(c, self.k_proj, self.nkv, self.k_norm), *rope)
         return k, self._heads(c, self.v_proj, self.nkv)
 
     def forward(
@@ -122,9 +134,7 @@ class DrafterAttention(nn.Module):
     ) -> torch.Tensor:
         """h [B, T, D] block tokens over the context in `cache` -> [B, T, D]."""
         B, T, _ = h.shape
-        q = self._heads(h, self.q_proj, self.nq)
-        k = self._heads(h, self.k_proj, self.nkv)
-        v = self._heads(h, self.v_proj, self.nkv)
+        q, k, v = self._qkv(h)
         out = attend(q, k, v, layout, cache, rope)  # block slots are scratch past the context
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -133,9 +143,8 @@ class DrafterAttention(nn.Module):
     ) -> torch.Tensor:
         """h [N, S, D] blocks; kv_ctx: context k, v [N, Hkv, L, Dh]; mask [N, 1, S, L + S]."""
         N, S, _ = h.shape
-        q = apply_rope(self._heads(h, self.q_proj, self.nq), *rope)
-        k = apply_rope(self._heads(h, self.k_proj, self.nkv), *rope)
-        v = self._heads(h, self.v_proj, self.nkv)
+        q, k, v = self._qkv(h)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = torch.cat([kv_ctx[0], k], 2), torch.cat([kv_ctx[1], v], 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.nq != self.nkv
@@ -163,7 +172,6 @@ class Drafter(nn.Module):
         self.fc_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, None)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -171,10 +179,12 @@ class Drafter(nn.Module):
         return self.fc_norm(self.fc(features.to(self.norm.weight.dtype)))
 
     def block_inputs(self, first: torch.Tensor, embed: nn.Embedding, width: int) -> torch.Tensor:
-        """first [B] (the last verified tokens) -> [B, width, D]: its embedding, then masks."""
-        e = embed(first).to(self.mask_embedding.dtype)[:, None]
-        masks = self.mask_embedding.expand(first.shape[0], width - 1, -1)
-        return torch.cat([e, masks], 1)
+        """first [B] (the last verified tokens) -> [B, width, D]: its embedding, then the
+        target's embedding of the [MASK] token (frozen, as in the speculators format)."""
+        ids = torch.full((first.shape[0], width), self.config.mask_token_id, dtype=torch.long,
+                         device=first.device)  # fmt: skip
+        ids[:, 0] = first
+        return embed(ids).to(self.norm.weight.dtype)
 
     # --- decoding: the context in a cache -------------------------------------------------------
 
@@ -243,7 +253,7 @@ class Drafter(nn.Module):
 
 def new_drafter(target: nn.Module, target_name: str, **overrides: object) -> Drafter:
     """A drafter shaped after `target` (its width, heads, vocabulary), randomly initialised,
-    its [MASK] vector set to the mean of the target's embeddings."""
+    reading the target's embedding of its mask token at masked positions."""
     t = target.config
     d = {
         "target": target_name,
@@ -261,10 +271,7 @@ def new_drafter(target: nn.Module, target_name: str, **overrides: object) -> Dra
         "max_position_embeddings": t.max_position_embeddings,
     }
     d.update(overrides)
-    drafter = Drafter(DrafterConfig(**d))
-    with torch.no_grad():
-        drafter.mask_embedding.copy_(target.model.embed_tokens.weight.float().mean(0))
-    return drafter
+    return Drafter(DrafterConfig(**d))
 
 
 # --- files ----------------------------------------------------------------------------------
@@ -318,9 +325,13 @@ def load_drafter(
         )
     drafter = Drafter(config)
     state = load_file(str(path))
-    missing = set(drafter.state_dict()) - set(state)
-    if missing:
-        raise CloverError(f"{path}: drafter file lacks {sorted(missing)[:3]}")
+    missing, extra = set(drafter.state_dict()) - set(state), set(state) - set(drafter.state_dict())
+    if "mask_embedding" in extra:
+        raise CloverError(f"{path}: a drafter of an earlier Clover (a learned [MASK] vector, no "
+                          "q/k norms), which this one cannot run: train it again")  # fmt: skip
+    if missing or extra:
+        raise CloverError(f"{path}: drafter file lacks {sorted(missing)[:3]}, has extra "
+                          f"{sorted(extra)[:3]}")  # fmt: skip
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     return drafter.to(dtype).eval()
 
@@ -373,9 +384,9 @@ def speculators_config(drafter: Drafter, verifier_architectures: list[str]) -> d
 
 
 def speculators_state(drafter: Drafter) -> dict[str, torch.Tensor]:
-    """Our tensors under the format's names: `fc`, `hidden_norm` (after fc), `layers.N.*`,
-    `norm`; the target's embeddings and head are not stored (the verifier's are used). Our
-    learned [MASK] input has no token in the format: it is kept as `mask_embedding`."""
+    """Our tensors under the format's names: `fc`, `hidden_norm` (after fc), `layers.N.*`
+    (with q/k norms), `norm`; the target's embeddings and head are not stored: the format's
+    loader takes the verifier's, [MASK] included, as our drafter does."""
     out = {}
     for name, t in drafter.state_dict().items():
         out[name.replace("fc_norm.", "hidden_norm.")] = t
