@@ -113,6 +113,7 @@ def test_packed_projections_match_separate_ones():
     fused.fused = False  # both through the modules: this is about packing (the C++ layers'
     # float32 residual is tested against the modules in test_kernels.py)
     apart = quantize_model(copy.deepcopy(model), fuse=False)
+    apart.fused = False  # the fused layers take separate parts too (the same reason)
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[1].mlp
     assert isinstance(attn.k_proj, Int4Part) and attn.k_proj.fused is attn.fused_q_proj
     assert isinstance(mlp.up_proj.base, Int4Part)  # under the adapter's LoRALinear

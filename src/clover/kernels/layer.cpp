@@ -111,9 +111,11 @@ struct Layout {  // models/layout.py, per row: committed length, tokens committe
 
 class FusedLayer {
  public:
-  FusedLayer(const at::Tensor& ln1, const at::Tensor& ln2, Packed qkv, Packed o, Packed gate_up,
-             Packed down, int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps,
-             int64_t isa)
+  // qkv: one packed [q | k | v] matrix, or q, k and v apart (a GGUF whose v is in another
+  // format than q and k, e.g. Q6_K beside Q4_K); gate_up: [gate | up], or the two apart
+  FusedLayer(const at::Tensor& ln1, const at::Tensor& ln2, std::vector<Packed> qkv, Packed o,
+             std::vector<Packed> gate_up, Packed down, int64_t n_heads, int64_t n_kv,
+             int64_t head_dim, double eps, int64_t isa)
       : ln1_(ln1.to(at::kFloat).contiguous()),
         ln2_(ln2.to(at::kFloat).contiguous()),
         qkv_(std::move(qkv)),
@@ -127,11 +129,12 @@ class FusedLayer {
         isa_(isa) {
     const int64_t D = ln1_.numel();
     TORCH_CHECK(n_heads % n_kv == 0, "query heads must be a multiple of KV heads");
-    TORCH_CHECK(qkv_.K == D && qkv_.N == (n_heads + 2 * n_kv) * head_dim, "q/k/v shape");
+    TORCH_CHECK(qkv_.size() == 1 || qkv_.size() == 3, "q/k/v: one packed matrix or three");
+    TORCH_CHECK(gate_up_.size() == 1 || gate_up_.size() == 2, "gate/up: one matrix or two");
+    nqkv_ = width(qkv_, D), ngu_ = width(gate_up_, D);
+    TORCH_CHECK(nqkv_ == (n_heads + 2 * n_kv) * head_dim, "q/k/v shape");
     TORCH_CHECK(o_.K == n_heads * head_dim && o_.N == D, "o shape");
-    TORCH_CHECK(gate_up_.K == D && gate_up_.N % 2 == 0 && down_.K == gate_up_.N / 2 &&
-                    down_.N == D,
-                "gate/up/down shapes");
+    TORCH_CHECK(ngu_ % 2 == 0 && down_.K == ngu_ / 2 && down_.N == D, "gate/up/down shapes");
     TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0, "head_dim must be even and <= 512");
   }
 
@@ -161,7 +164,7 @@ class FusedLayer {
       TORCH_CHECK(lay.lengths[b] >= 0 && lay.lengths[b] + T <= cap, "cache too small");
 
     float* xp = x.data_ptr<float>();
-    const int64_t F = down_.K, Nq = qkv_.N;
+    const int64_t F = down_.K, Nq = nqkv_;
     std::vector<uint16_t> hb(M * std::max(D, F));
     std::vector<float> xs(M * (std::max(D, F) / 16 + 1));
     std::vector<float> qkv(M * Nq), att(M * hq_ * dh_);
@@ -170,7 +173,7 @@ class FusedLayer {
     Clock clock;
     fused::rms_norm(xp, ln1_.data_ptr<float>(), M, D, eps_, hb.data());
     clock.lap(kNorm);
-    matmul(qkv_, hb.data(), xs.data(), M, qkv.data());
+    matmul_parts(qkv_, hb.data(), xs.data(), M, Nq, qkv.data());
     clock.lap(kQkv);
     float* kc = k.data_ptr<float>();
     float* vc = v.data_ptr<float>();
@@ -203,7 +206,7 @@ class FusedLayer {
     fused::rms_norm(xp, ln2_.data_ptr<float>(), M, D, eps_, hb.data());
     clock.lap(kNorm);
     std::vector<float> gu(M * 2 * F);
-    matmul(gate_up_, hb.data(), xs.data(), M, gu.data());
+    matmul_parts(gate_up_, hb.data(), xs.data(), M, 2 * F, gu.data());
     clock.lap(kGateUp);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) fused::silu_mul(gu.data() + m * 2 * F, F, hb.data() + m * F);
@@ -221,6 +224,29 @@ class FusedLayer {
     qgemm_rows(w, xb, w.has_low ? xs : nullptr, M, out, nullptr, isa_);
   }
 
+  // out [M, N] = the parts' outputs side by side (one part: straight into out)
+  void matmul_parts(const std::vector<Packed>& parts, const uint16_t* xb, float* xs, int64_t M,
+                    int64_t N, float* out) const {
+    if (parts.size() == 1) return matmul(parts[0], xb, xs, M, out);
+    int64_t at = 0;
+    for (const Packed& w : parts) {
+      std::vector<float> part(M * w.N);
+      matmul(w, xb, xs, M, part.data());
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(out + m * N + at, part.data() + m * w.N, sizeof(float) * w.N);
+      at += w.N;
+    }
+  }
+
+  static int64_t width(const std::vector<Packed>& parts, int64_t K) {
+    int64_t n = 0;
+    for (const Packed& w : parts) {
+      TORCH_CHECK(w.K == K, "a projection's input width differs from the layer's");
+      n += w.N;
+    }
+    return n;
+  }
+
   static void add(float* x, const float* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
   }
@@ -231,7 +257,7 @@ class FusedLayer {
   // query at a time, while 4 and 8 tokens gained nothing (`clover bench passes`)
   void attend_loop(const float* qkv, const float* kc, const float* vc, int64_t cap,
                    const Layout& lay, float* out) const {
-    const int64_t T = lay.T, Nq = qkv_.N, group = hq_ / hkv_, per = T >= 16 ? 4 : 1;
+    const int64_t T = lay.T, Nq = nqkv_, group = hq_ / hkv_, per = T >= 16 ? 4 : 1;
     const int64_t chunks = (T + per - 1) / per;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh_));
     at::parallel_for(0, lay.B * hq_ * chunks, 1, [&](int64_t i0, int64_t i1) {
@@ -264,7 +290,7 @@ class FusedLayer {
     for (int64_t b = 0; b < B; ++b) S = std::max(S, lay.lengths[b] + T);
     auto opts = k.options();
     const at::Tensor all =
-        at::from_blob(const_cast<float*>(qkv.data()), {B, T, qkv_.N / dh_, dh_}, opts);
+        at::from_blob(const_cast<float*>(qkv.data()), {B, T, nqkv_ / dh_, dh_}, opts);
     const at::Tensor q = all.narrow(2, 0, hq_).transpose(1, 2);  // [B, Hq, T, Dh]
     at::Tensor mask = at::empty({B, 1, T, S}, opts.dtype(at::kBool));
     bool* mp = mask.data_ptr<bool>();
@@ -280,7 +306,11 @@ class FusedLayer {
   }
 
   at::Tensor ln1_, ln2_;
-  Packed qkv_, o_, gate_up_, down_;
+  std::vector<Packed> qkv_;
+  Packed o_;
+  std::vector<Packed> gate_up_;
+  Packed down_;
+  int64_t nqkv_ = 0, ngu_ = 0;
   int64_t hq_, hkv_, dh_;
   float eps_;
   int64_t isa_;
@@ -343,8 +373,8 @@ void register_layer(pybind11::module& m) {
       .def(py::init(&make_packed), py::arg("q"), py::arg("scales"), py::arg("bits"),
            py::arg("group"), py::arg("has_low"), py::arg("N"), py::arg("K"), py::arg("bias"));
   py::class_<FusedLayer>(m, "FusedLayer")
-      .def(py::init<const at::Tensor&, const at::Tensor&, Packed, Packed, Packed, Packed, int64_t,
-                    int64_t, int64_t, double, int64_t>())
+      .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<Packed>, Packed,
+                    std::vector<Packed>, Packed, int64_t, int64_t, int64_t, double, int64_t>())
       .def("forward", &FusedLayer::forward);
   m.def("rms_norm_bf16", &rms_norm_bf16, "the final RMSNorm of a fused backbone");
   m.def("attention", &attention, "attention over a cache, as the fused layers run it");

@@ -268,9 +268,9 @@ class LlamaModel(DiffusionLM):
 
 
 def build_fused_layers(model: LlamaModel) -> list | None:
-    """One kernels.FusedLayer per decoder layer, from the quantized modules (packed q/k/v and
-    gate/up, Int4Linear or Int8Linear with a GGUF's 8-bit levels, in Clover's kernels); None
-    where any piece is missing."""
+    """One kernels.FusedLayer per decoder layer, from the quantized modules (q/k/v and gate/up
+    packed, or apart where their formats differ; Int4Linear or Int8Linear with a GGUF's 8-bit
+    levels, in Clover's kernels); None where any piece is missing."""
     from clover import kernels
     from clover.kernels.qgemm import QWeight
 
@@ -287,13 +287,22 @@ def build_fused_layers(model: LlamaModel) -> list | None:
         return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
                              w.in_features, linear.bias)  # fmt: skip
 
+    def group(module: nn.Module, fused: str, names: tuple[str, ...]) -> list | None:
+        """The packed matrix, or (when its parts differ in format, e.g. a Q6_K v beside Q4_K
+        q and k) the parts apart, in order."""
+        if hasattr(module, fused):
+            one = packed(getattr(module, fused))
+            return None if one is None else [one]
+        parts = [packed(getattr(module, n)) for n in names]
+        return None if any(p is None for p in parts) else parts
+
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = [
-            packed(getattr(attn, "fused_q_proj", None)),
+            group(attn, "fused_q_proj", ("q_proj", "k_proj", "v_proj")),
             packed(attn.o_proj),
-            packed(getattr(mlp, "fused_gate_proj", None)),
+            group(mlp, "fused_gate_proj", ("gate_proj", "up_proj")),
             packed(mlp.down_proj),
         ]
         if any(p is None for p in parts):
