@@ -131,10 +131,11 @@ class FusedLayer {
     TORCH_CHECK(n_heads % n_kv == 0, "query heads must be a multiple of KV heads");
     TORCH_CHECK(qkv_.size() == 1 || qkv_.size() == 3, "q/k/v: one packed matrix or three");
     TORCH_CHECK(gate_up_.size() == 1 || gate_up_.size() == 2, "gate/up: one matrix or two");
-    nqkv_ = width(qkv_, D), ngu_ = width(gate_up_, D);
+    nqkv_ = width(qkv_, D);
+    const int64_t ngu = width(gate_up_, D);
     TORCH_CHECK(nqkv_ == (n_heads + 2 * n_kv) * head_dim, "q/k/v shape");
     TORCH_CHECK(o_.K == n_heads * head_dim && o_.N == D, "o shape");
-    TORCH_CHECK(ngu_ % 2 == 0 && down_.K == ngu_ / 2 && down_.N == D, "gate/up/down shapes");
+    TORCH_CHECK(ngu % 2 == 0 && down_.K == ngu / 2 && down_.N == D, "gate/up/down shapes");
     TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0, "head_dim must be even and <= 512");
   }
 
@@ -310,7 +311,7 @@ class FusedLayer {
   Packed o_;
   std::vector<Packed> gate_up_;
   Packed down_;
-  int64_t nqkv_ = 0, ngu_ = 0;
+  int64_t nqkv_ = 0;  // q/k/v outputs, over all parts
   int64_t hq_, hkv_, dh_;
   float eps_;
   int64_t isa_;

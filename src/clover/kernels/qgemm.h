@@ -23,6 +23,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace clover {
 
@@ -40,6 +41,31 @@ struct QGemm {
   float* out_f32 = nullptr;      // [M, N], one of the two outputs
   uint16_t* out_bf16 = nullptr;
 };
+
+// Calls f(P, BITS, LOW, F16) with compile-time constants (std::integral_constant) for the
+// weights' format: P pairs of k per group (16; 8 for int8 in groups of 16), BITS 4, 5 or 8,
+// affine levels (LOW) or not, float16 scales or not. Each instruction set instantiates its
+// kernel through this one switch.
+template <class F>
+inline void dispatch_format(const QGemm& a, F&& f) {
+  using Y = std::true_type;
+  using N = std::false_type;
+  const auto scales = [&](auto P, auto BITS) {
+    if (a.has_low)
+      a.f16_scales ? f(P, BITS, Y{}, Y{}) : f(P, BITS, Y{}, N{});
+    else
+      a.f16_scales ? f(P, BITS, N{}, Y{}) : f(P, BITS, N{}, N{});
+  };
+  using I16 = std::integral_constant<int, 16>;
+  if (a.bits == 4)
+    scales(I16{}, std::integral_constant<int, 4>{});
+  else if (a.bits == 5)
+    scales(I16{}, std::integral_constant<int, 5>{});
+  else if (a.group == 32)
+    scales(I16{}, std::integral_constant<int, 8>{});
+  else
+    scales(std::integral_constant<int, 8>{}, std::integral_constant<int, 8>{});
+}
 
 // Output tiles [t0, t1) (16 columns each), every row of x. One per instruction set.
 void qgemm_tiles_scalar(const QGemm& a, int64_t t0, int64_t t1);

@@ -129,25 +129,13 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
   }
 }
 
-template <int P, int BITS>
-void run_scales(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.has_low)
-    a.f16_scales ? run<P, BITS, true, true>(a, t0, t1) : run<P, BITS, true, false>(a, t0, t1);
-  else
-    a.f16_scales ? run<P, BITS, false, true>(a, t0, t1) : run<P, BITS, false, false>(a, t0, t1);
-}
-
 }  // namespace
 
 void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.bits == 4)
-    run_scales<16, 4>(a, t0, t1);
-  else if (a.bits == 5)
-    run_scales<16, 5>(a, t0, t1);
-  else if (a.group == 32)
-    run_scales<16, 8>(a, t0, t1);
-  else
-    run_scales<8, 8>(a, t0, t1);
+  dispatch_format(a, [&](auto P, auto BITS, auto LOW, auto F16) {
+    run<decltype(P)::value, decltype(BITS)::value, decltype(LOW)::value, decltype(F16)::value>(
+        a, t0, t1);
+  });
 }
 
 }  // namespace clover

@@ -144,6 +144,16 @@ CLOVER_INLINE void rows(int64_t mc, const uint8_t* base, __m512i* wbuf, __m512i 
   }
 }
 
+// row `row` of the output, columns of tile t: v + bias
+CLOVER_INLINE void store_row(const QGemm& a, int64_t t, int64_t row, __m512 v) {
+  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
+  const int64_t o = row * a.N + 16 * t;
+  if (a.out_f32)
+    _mm512_storeu_ps(a.out_f32 + o, v);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out_bf16 + o), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 constexpr int64_t kRowChunk = 96;  // rows of x per pass over a tile: y stays in L1
 
 template <int P, int BITS, bool LOW, bool F16>
@@ -167,26 +177,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
         rows<P, BITS, LOW>(mc, base, wbuf, table, s, l, a.xb + m0 * K + g * a.group, K, xs,
                            LOW ? G : 0, y);
       }
-      const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + 16 * t) : _mm512_setzero_ps();
-      for (int64_t r = 0; r < mc; ++r) {
-        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(y + 16 * r), b);
-        const int64_t at = (m0 + r) * a.N + 16 * t;
-        if (a.out_f32)
-          _mm512_storeu_ps(a.out_f32 + at, v);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out_bf16 + at),
-                              (__m256i)_mm512_cvtneps_pbh(v));
-      }
+      for (int64_t r = 0; r < mc; ++r) store_row(a, t, m0 + r, _mm512_load_ps(y + 16 * r));
     }
   }
-}
-
-template <int P, int BITS>
-void run_scales(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.has_low)
-    a.f16_scales ? run<P, BITS, true, true>(a, t0, t1) : run<P, BITS, true, false>(a, t0, t1);
-  else
-    a.f16_scales ? run<P, BITS, false, true>(a, t0, t1) : run<P, BITS, false, false>(a, t0, t1);
 }
 
 // AMX path (Intel Sapphire Rapids and later): one `tdpbf16ps` multiplies 16 rows of x by a
@@ -215,16 +208,6 @@ CLOVER_INLINE void amx_scale(const QGemm& a, const float* c, int64_t at, const f
 template <int P, int BITS>
 CLOVER_INLINE void unpack_group(const uint8_t* base, __m512i table, __m512i* w) {
   for (int p = 0; p < P; ++p) _mm512_store_si512(w + p, unpack_pair<BITS>(base, p, table));
-}
-
-// row `row` of the output, columns of tile t: v + bias
-CLOVER_INLINE void store_row(const QGemm& a, int64_t t, int64_t row, __m512 v) {
-  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
-  const int64_t o = row * a.N + 16 * t;
-  if (a.out_f32)
-    _mm512_storeu_ps(a.out_f32 + o, v);
-  else
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out_bf16 + o), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // passes of fewer rows than this stay on `vdpbf16ps`, and so do the last rows of a pass when
@@ -320,48 +303,25 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_
   _tile_release();
 }
 
-template <int P, int BITS, int NR>
-void run_amx_scales(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.has_low)
-    a.f16_scales ? run_amx<P, BITS, true, true, NR>(a, t0, t1)
-                 : run_amx<P, BITS, true, false, NR>(a, t0, t1);
-  else
-    a.f16_scales ? run_amx<P, BITS, false, true, NR>(a, t0, t1)
-                 : run_amx<P, BITS, false, false, NR>(a, t0, t1);
-}
-
-template <int P, int BITS>
-void run_amx_rows(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.M <= 4)
-    run_amx_scales<P, BITS, 4>(a, t0, t1);
-  else
-    run_amx_scales<P, BITS, 16>(a, t0, t1);
-}
-
 }  // namespace
 
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.bits == 4)
-    run_scales<16, 4>(a, t0, t1);
-  else if (a.bits == 5)
-    run_scales<16, 5>(a, t0, t1);
-  else if (a.group == 32)
-    run_scales<16, 8>(a, t0, t1);
-  else
-    run_scales<8, 8>(a, t0, t1);
+  dispatch_format(a, [&](auto P, auto BITS, auto LOW, auto F16) {
+    run<decltype(P)::value, decltype(BITS)::value, decltype(LOW)::value, decltype(F16)::value>(
+        a, t0, t1);
+  });
 }
 
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1) {
-  if (a.M < kAmxMinRows)
-    qgemm_tiles_avx512(a, t0, t1);
-  else if (a.bits == 4)
-    run_amx_rows<16, 4>(a, t0, t1);
-  else if (a.bits == 5)
-    run_amx_rows<16, 5>(a, t0, t1);
-  else if (a.group == 32)
-    run_amx_rows<16, 8>(a, t0, t1);
-  else
-    run_amx_rows<8, 8>(a, t0, t1);
+  if (a.M < kAmxMinRows) return qgemm_tiles_avx512(a, t0, t1);
+  dispatch_format(a, [&](auto P, auto BITS, auto LOW, auto F16) {
+    constexpr int p = decltype(P)::value, bits = decltype(BITS)::value;
+    constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
+    if (a.M <= 4)  // a verify pass: tiles of 4 rows
+      run_amx<p, bits, low, f16, 4>(a, t0, t1);
+    else
+      run_amx<p, bits, low, f16, 16>(a, t0, t1);
+  });
 }
 
 }  // namespace clover
