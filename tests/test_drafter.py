@@ -314,3 +314,61 @@ def test_an_int4_drafter_drafts_like_the_float_one():
         ha = drafter.block_hidden(torch.tensor([5]), model.model.embed_tokens, a)
         hb = q.block_hidden(torch.tensor([5]), model.model.embed_tokens, b)
     assert float((ha - hb.float()).abs().max()) < 0.1 * float(ha.abs().max())
+
+
+def test_init_from_target_starts_the_drafter_as_the_target_s_last_layer():
+    """init: target: drafter layer = the target's last layer (weights read through any linear,
+    int4 included); its context keys/values = that layer's own from the feature of the layer
+    before; the q/k norms keep the heads' scale."""
+    from clover.models.drafter import init_from_target, linear_weight
+    from clover.quant import Int4Linear
+
+    model = tiny_model(num_hidden_layers=3)
+    drafter = new_drafter(model, "tiny", feature_layers=[0, 1], num_hidden_layers=1)
+    ids = torch.randint(4, 64, (2, 9))
+    with torch.no_grad():
+        _, feats = model(ids, capture=(0, 1))
+    assert init_from_target(drafter, model, feats) == [2]
+    last = model.model.layers[2]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert torch.equal(getattr(drafter.layers[0].self_attn, name).weight,
+                           getattr(last.self_attn, name).weight), name  # fmt: skip
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(drafter.norm.weight, model.model.norm.weight)
+    D = model.config.hidden_size
+    with torch.no_grad():
+        ctx = drafter.context(feats)
+        torch.testing.assert_close(ctx, last.input_layernorm(feats[..., D:]))
+        a = drafter.layers[0].self_attn
+        raw = a.q_proj(ctx).view(2, 9, a.nq, a.dh)
+        normed = a.q_norm(raw)
+        scale = lambda x: float(x.pow(2).mean(-1).sqrt().mean())  # noqa: E731
+        assert abs(scale(normed) - scale(raw)) < 1e-4 * scale(raw)
+    # a 4-bit linear's weight read through its outputs
+    lin = torch.nn.Linear(64, 32, bias=True)
+    q = Int4Linear(lin)
+    w, b = linear_weight(q, 64)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(x @ w.t() + b, q(x).float(), rtol=0.02, atol=0.02)
+        assert float((w - lin.weight).abs().max()) < 0.1 * float(lin.weight.abs().max())
+    # another width than the target's cannot start from its layers
+    narrow = new_drafter(model, "tiny", feature_layers=[0, 1], intermediate_size=16)
+    with pytest.raises(CloverError, match="width, heads and MLP"):
+        init_from_target(narrow, model, feats)
+
+
+def test_drafter_training_from_the_target_s_layers(tiny_checkpoint, data, tmp_path):
+    """init: target trains and starts closer to the teacher than a random drafter."""
+    from clover.train.drafter import train_drafter
+
+    losses = {}
+    for init in ("random", "target"):
+        cfg = drafter_config(tiny_checkpoint, data, tmp_path / init, steps=2, init=init,
+                             feature_layers=[0], layers=1, eval_every=100)  # fmt: skip
+        train_drafter(cfg, progress=False)
+        first = (tmp_path / init / "metrics.jsonl").read_text().splitlines()[0]
+        losses[init] = json.loads(first)["loss"]
+    assert losses["target"] < losses["random"]
+    with pytest.raises(CloverError, match="init must be"):
+        drafter_config(tiny_checkpoint, data, tmp_path / "x", init="copy")

@@ -274,6 +274,75 @@ def new_drafter(target: nn.Module, target_name: str, **overrides: object) -> Dra
     return Drafter(DrafterConfig(**d))
 
 
+def linear_weight(module: nn.Module, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [N, K], b [N]) of any linear module, quantized or packed: its outputs for the rows
+    of the identity, less its output for zeros (the bias)."""
+    with torch.no_grad():
+        eye = torch.eye(in_features)
+        zero = module(torch.zeros(1, in_features)).float()
+        return (module(eye).float() - zero).t().contiguous(), zero[0]
+
+
+def init_from_target(drafter: Drafter, target: nn.Module, features: torch.Tensor) -> list[int]:
+    """Start the drafter's layers as copies of the target's last layers, so its outputs begin
+    in the space the target's final norm and LM head read (a random drafter must first learn
+    that, which costs most of a CPU-sized training run).
+
+    - Drafter layer j copies target layer N - n + j (norms, attention, MLP); q/k/v biases (qwen2)
+      are dropped: the format has none.
+    - fc passes the deepest feature layer through unchanged, and fc_norm takes the first copied
+      layer's input norm: the context keys/values then start as that layer's own, when the
+      deepest feature is the output of the layer before it (the default: N - 2).
+    - The per-head q/k norms (which the target lacks) get the mean RMS of its q and k heads on
+      `features` [.., k * D] (the target's, a batch of real text), so attention starts at the
+      target's temperature.
+    Returns the target layer ids copied."""
+    c, t = drafter.config, target.config
+    layers = target.model.layers
+    n = len(drafter.layers)
+    ids = list(range(len(layers) - n, len(layers)))
+    for j, i in zip(range(n), ids):
+        src = layers[i]
+        attn = getattr(src, "self_attn", None)
+        if attn is None or not hasattr(attn, "q_proj") or not hasattr(src, "mlp"):
+            raise CloverError(f"init from target: layer {i} of {c.target!r} is not an attention "
+                              "layer with an MLP (start the drafter from random weights)")  # fmt: skip
+    same = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size) == (t.hidden_size, t.num_attention_heads,
+            t.num_key_value_heads, t.head_dim, t.intermediate_size)  # fmt: skip
+    if not same:
+        raise CloverError("init from target: the drafter's width, heads and MLP must be the "
+                          "target's (leave them at their defaults)")  # fmt: skip
+    D = c.hidden_size
+    deepest = max(range(len(c.feature_layers)), key=lambda k: c.feature_layers[k])
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, deepest * D : (deepest + 1) * D] = torch.eye(D)
+        drafter.fc_norm.weight.copy_(layers[ids[0]].input_layernorm.weight.float())
+        drafter.norm.weight.copy_(target.model.norm.weight.float())
+        for dst, i in zip(drafter.layers, ids):
+            src = layers[i]
+            dst.input_layernorm.weight.copy_(src.input_layernorm.weight.float())
+            dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(dst.self_attn, name).weight.copy_(
+                    linear_weight(getattr(src.self_attn, name), D)[0])
+            dst.self_attn.o_proj.weight.copy_(
+                linear_weight(src.self_attn.o_proj, c.num_attention_heads * c.head_dim)[0])
+            for name in ("gate_proj", "up_proj"):
+                getattr(dst.mlp, name).weight.copy_(linear_weight(getattr(src.mlp, name), D)[0])
+            dst.mlp.down_proj.weight.copy_(
+                linear_weight(src.mlp.down_proj, c.intermediate_size)[0])
+        rows = features.reshape(-1, features.shape[-1]).float()
+        ctx = drafter.context(rows[rows.abs().sum(-1) > 0][:4096])  # padding rows left out
+        for dst in drafter.layers:
+            a = dst.self_attn
+            for proj, norm, heads in ((a.q_proj, a.q_norm, a.nq), (a.k_proj, a.k_norm, a.nkv)):
+                x = proj(ctx).view(-1, heads, a.dh)
+                norm.weight.fill_(float(x.pow(2).mean(-1).sqrt().mean()))
+    return ids
+
+
 # --- files ----------------------------------------------------------------------------------
 
 

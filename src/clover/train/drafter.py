@@ -62,10 +62,15 @@ class DrafterTrainConfig:
     max_minutes: float | None = None
     drafter_file: str | None = None  # default: <out>/drafter.safetensors
     feature_cache_gb: float = 4.0  # the target's features kept across epochs; 0: none
+    # "target": the drafter's layers start as copies of the target's last layers
+    # (models/drafter.py `init_from_target`); "random": from scratch
+    init: str = "random"
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
             raise CloverError(f"loss must be kl or ce, got {self.loss!r}")
+        if self.init not in ("random", "target"):
+            raise CloverError(f"init must be random or target, got {self.init!r}")
         if not 1 <= self.layers <= 8:
             raise CloverError("layers must be 1..8 (a drafter is a few layers)")
         if self.steps < 1 or self.batch_size < 1 or self.blocks_per_sequence < 1:
@@ -298,7 +303,7 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | N
 
 def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, progress: bool,
                    until: int | None) -> dict:  # fmt: skip
-    from clover.models.drafter import new_drafter
+    from clover.models.drafter import init_from_target, new_drafter
 
     for p in target.parameters():
         p.requires_grad_(False)
@@ -313,6 +318,10 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     rng = random.Random(cfg.seed)
     step, order, elapsed = 0, [], 0.0
     ckpt = out / "checkpoint" / "state.pt"
+    if cfg.init == "target" and not ckpt.exists():  # calibrated on the first training batch
+        first = [train[i] for i in range(min(len(train), cfg.batch_size))]
+        feats, _, _ = target_features(target, first, drafter.config.feature_layers, cfg.max_len)
+        init_from_target(drafter, target, feats)
     if ckpt.exists():  # continue: the drafter, optimizer, data order and schedule
         state = torch.load(ckpt, weights_only=False, map_location=cfg.device)
         drafter.load_state_dict(state["drafter"])
