@@ -301,12 +301,13 @@ def init_from_target(drafter: Drafter, target: nn.Module, features: torch.Tensor
     layers = target.model.layers
     n = len(drafter.layers)
     ids = list(range(len(layers) - n, len(layers)))
-    for j, i in zip(range(n), ids):
-        src = layers[i]
-        attn = getattr(src, "self_attn", None)
-        if attn is None or not hasattr(attn, "q_proj") or not hasattr(src, "mlp"):
-            raise CloverError(f"init from target: layer {i} of {c.target!r} is not an attention "
-                              "layer with an MLP (start the drafter from random weights)")  # fmt: skip
+    for i in ids:
+        attn = getattr(layers[i], "self_attn", None)
+        if attn is None or not hasattr(attn, "q_proj") or not hasattr(layers[i], "mlp"):
+            raise CloverError(
+                f"init from target: layer {i} of {c.target!r} is not an attention layer with "
+                "an MLP (start the drafter from random weights)"
+            )
     same = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             c.intermediate_size) == (t.hidden_size, t.num_attention_heads,
             t.num_key_value_heads, t.head_dim, t.intermediate_size)  # fmt: skip
@@ -324,15 +325,13 @@ def init_from_target(drafter: Drafter, target: nn.Module, features: torch.Tensor
             src = layers[i]
             dst.input_layernorm.weight.copy_(src.input_layernorm.weight.float())
             dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
-            for name in ("q_proj", "k_proj", "v_proj"):
-                getattr(dst.self_attn, name).weight.copy_(
-                    linear_weight(getattr(src.self_attn, name), D)[0])
-            dst.self_attn.o_proj.weight.copy_(
-                linear_weight(src.self_attn.o_proj, c.num_attention_heads * c.head_dim)[0])
-            for name in ("gate_proj", "up_proj"):
-                getattr(dst.mlp, name).weight.copy_(linear_weight(getattr(src.mlp, name), D)[0])
-            dst.mlp.down_proj.weight.copy_(
-                linear_weight(src.mlp.down_proj, c.intermediate_size)[0])
+            heads = c.num_attention_heads * c.head_dim
+            for part, name, width in (("self_attn", "q_proj", D), ("self_attn", "k_proj", D),
+                                      ("self_attn", "v_proj", D), ("self_attn", "o_proj", heads),
+                                      ("mlp", "gate_proj", D), ("mlp", "up_proj", D),
+                                      ("mlp", "down_proj", c.intermediate_size)):  # fmt: skip
+                weight = linear_weight(getattr(getattr(src, part), name), width)[0]
+                getattr(getattr(dst, part), name).weight.copy_(weight)
         rows = features.reshape(-1, features.shape[-1]).float()
         ctx = drafter.context(rows[rows.abs().sum(-1) > 0][:4096])  # padding rows left out
         for dst in drafter.layers:
