@@ -52,6 +52,17 @@ def test_shipped_adapters_exist():
     assert shipped and all(e.adapter_path.is_file() for e in shipped)
 
 
+def test_shipped_drafters_exist_and_name_their_target():
+    """A shipped drafter is a drafter file (its config readable without the model) made for
+    the entry that ships it."""
+    from clover.models.drafter import read_drafter_config
+
+    for e in KNOWN_MODELS.values():
+        if e.drafter is not None:
+            assert e.drafter_path.is_file(), e.name
+            assert read_drafter_config(e.drafter_path).target == e.name
+
+
 def test_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "c"))
     assert cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()

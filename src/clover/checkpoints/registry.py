@@ -75,6 +75,9 @@ class ModelEntry:
     # entry of the same file.
     adapter: str | None = None
     decoding: dict[str, object] = field(default_factory=dict, hash=False)
+    # A drafter shipped inside Clover (clover/adapters/<file>, `clover train drafter`),
+    # attached when the caller names none: self_spec draft="drafter" works out of the box.
+    drafter: str | None = None
     # A model split over several packages (`clover.checkpoints.parts`): `filename` is then the
     # assembled file under cache_dir()/models, `sha256` its pinned hash and `gguf_header`
     # metadata it must hold.
@@ -87,6 +90,12 @@ class ModelEntry:
         if self.adapter is None:
             return None
         return Path(__file__).parents[1] / "adapters" / self.adapter  # clover/adapters/
+
+    @property
+    def drafter_path(self) -> Path | None:
+        if self.drafter is None:
+            return None
+        return Path(__file__).parents[1] / "adapters" / self.drafter
 
 
 _SMOLLM2 = ModelEntry(
