@@ -372,3 +372,25 @@ def test_drafter_training_from_the_target_s_layers(tiny_checkpoint, data, tmp_pa
     assert losses["target"] < losses["random"]
     with pytest.raises(CloverError, match="init must be"):
         drafter_config(tiny_checkpoint, data, tmp_path / "x", init="copy")
+
+
+def test_an_int4_drafter_takes_rows_of_different_lengths():
+    """Its k (after the float32 q/k norm) and v (bfloat16 from the 4-bit linear) are cast to
+    the cache's dtype apart: rows of unequal lengths write through an indexed put, which
+    refuses mixed dtypes (a batch-8 bench crashed there)."""
+    import copy
+
+    from clover import kernels
+    from clover.quant import quantize_linears
+
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler here")
+    model = tiny_model()
+    q = quantize_linears(copy.deepcopy(drafter_for(model)))
+    feats = torch.randn(2, 7, 2 * model.config.hidden_size)
+    with torch.no_grad():
+        cache = q.make_cache(2)
+        q.commit(feats, torch.tensor([7, 4]), cache)
+        q.commit(feats[:, :2], torch.tensor([1, 2]), cache)
+        h = q.block_hidden(torch.tensor([5, 6]), model.model.embed_tokens, cache)
+    assert torch.equal(cache.lengths, torch.tensor([8, 6])) and bool(torch.isfinite(h).all())

@@ -104,7 +104,9 @@ class KVCache(LayerCache):
         Returns k, v [B, H_kv, S, D] with S = max(lengths) + T (what `layout.mask` covers).
         """
         if k.dtype != self.k.dtype:  # checked: a no-op `.to` still costs a dispatch
-            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+            k = k.to(self.k.dtype)
+        if v.dtype != self.v.dtype:  # apart: a drafter's normed k can be float32, its v not
+            v = v.to(self.v.dtype)
         T = k.shape[2]
         lengths = layout.lengths
         lo, hi = layout.length_range()
