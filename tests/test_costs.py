@@ -67,3 +67,27 @@ def test_lookup_drafts_grow_with_a_long_match():
     assert index.draft(3, most=10) == tokens[12:22]  # ... or as far as `most` allows
     short = NgramIndex([1, 2, 3, 9, 9, 1, 2])
     assert short.draft(3, most=100) == [3, 9, 9]  # a 2-token match stays at k
+
+
+def test_rows_start_from_what_earlier_rows_saw():
+    """A shared estimate (one per model and source): a fresh row of a drafter that kept
+    losing starts pessimistic; the shared estimate drifts back to the prior slowly."""
+    from clover.decoding.costs import shared_acceptance
+
+    model = tiny_model()
+    book = shared_acceptance(model, "drafter", 4)
+    assert shared_acceptance(model, "drafter", 4) is book
+    assert shared_acceptance(tiny_model(seed=1), "drafter", 4) is not book
+    first = Acceptance(4, shared=book)
+    for _ in range(60):
+        first.update(drafted=4, accepted=0)
+    assert book.p[0] < 0.15 and book.p[1] == 0.6  # position 2 never tried
+    fresh = Acceptance(4, shared=book)
+    assert fresh.p == book.p  # not the 0.6 prior
+    mid = PassCosts({1: 10.0, 2: 11.0, 4: 13.0, 8: 19.0})
+    assert best_length(fresh.p, mid, 3) == 0 and best_length(Acceptance(4).p, mid, 3) > 0
+    for _ in range(3000):  # nobody drafts: the shared estimate comes back to the prior
+        fresh.relax()
+    assert book.p[0] > 0.5 and fresh.p[0] > 0.5
+    longer = Acceptance(6, shared=book)  # more positions than the book: the rest at the prior
+    assert len(longer.p) == 6 and longer.p[5] == 0.6

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,11 +70,19 @@ def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool 
 
 
 class Acceptance:
-    """Per draft position, the running chance that it is kept (given the ones before were)."""
+    """Per draft position, the running chance that it is kept (given the ones before were).
+
+    With `shared` (`shared_acceptance`: one per model and draft source, fed by every row) a
+    row starts from what the rows before it saw and drifts back toward that, not toward a
+    fixed prior: a fresh row of a weak drafter starts pessimistic instead of paying for
+    drafts until it learns. The shared estimate itself drifts slowly toward the prior, so a
+    source that stopped drafting everywhere is tried again later."""
 
     def __init__(self, positions: int, prior: float = 0.6, rate: float = 0.2,
-                 drift: float = 0.02) -> None:  # fmt: skip
-        self.p = [prior] * positions
+                 drift: float = 0.02, shared: Acceptance | None = None) -> None:  # fmt: skip
+        self.shared = shared
+        self.p = [prior] * positions if shared is None else list(shared.p[:positions])
+        self.p += [prior] * (positions - len(self.p))
         self.prior, self.rate, self.drift = prior, rate, drift
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -83,11 +92,30 @@ class Acceptance:
             if i <= accepted:
                 hit = 1.0 if i < accepted else 0.0
                 self.p[i] += self.rate * (hit - self.p[i])
+        if self.shared is not None:
+            self.shared.update(drafted, accepted)
         self.relax()
 
     def relax(self) -> None:
-        """Drift toward the prior (a row that stopped drafting tries again later)."""
-        self.p = [x + self.drift * (self.prior - x) for x in self.p]
+        """Drift toward the prior, or the shared estimate (a row that stopped drafting tries
+        again later)."""
+        if self.shared is None:
+            self.p = [x + self.drift * (self.prior - x) for x in self.p]
+            return
+        self.shared.relax()
+        toward = self.shared.p
+        self.p = [x + self.drift * (toward[i] - x) if i < len(toward) else x
+                  for i, x in enumerate(self.p)]  # fmt: skip
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_acceptance(model: torch.nn.Module, source: str, positions: int) -> Acceptance:
+    """The acceptance every row of `model` reports to for one draft source (this process):
+    learns 4x slower than a row's and drifts back to the prior 10x slower."""
+    book = _SHARED.setdefault(model, {})
+    return book.setdefault((source, positions), Acceptance(positions, rate=0.05, drift=0.002))
 
 
 # --- measured once, cached ------------------------------------------------------------------

@@ -164,6 +164,7 @@ class BatchDecoder:
                     self.drafting.add_row()
             if policy.adaptive and (row.context is not None or row.uses_drafter):
                 row.costs = self._pass_costs(row.uses_drafter)
+                row.share_acceptance(self.model)
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from clover.decoding.constraints import LogitsConstraint, pick
-from clover.decoding.costs import Acceptance, PassCosts, best_length
+from clover.decoding.costs import Acceptance, PassCosts, best_length, shared_acceptance
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, filtered_probs, sample
 
@@ -330,6 +330,11 @@ class SpecRow(Row):
         self.costs: PassCosts | None = None
         self.acceptance = {"lookup": Acceptance(NgramIndex.LONG),
                            "drafter": Acceptance(self.policy.block_size - 1)}  # fmt: skip
+
+    def share_acceptance(self, model: object) -> None:
+        """Start from, and report to, the acceptance the model's earlier rows saw."""
+        self.acceptance = {s: Acceptance(len(a.p), shared=shared_acceptance(model, s, len(a.p)))
+                           for s, a in self.acceptance.items()}  # fmt: skip
 
     @property
     def refining(self) -> bool:
