@@ -241,6 +241,31 @@ def test_drafter_drafts_are_lossless_batched(draft, adaptive):
     # rows mostly take AR steps (test_costs.py tests the choice itself)
 
 
+
+def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
+    """Rows whose draft lengths follow the measured costs take drafter drafts only while they
+    run alone: in a batch each draft widens every row's pass. With costs that make drafting
+    pay, one row drafts; three rows together do not; answers stay ar's either way."""
+    from clover.decoding import loop
+    from clover.decoding.costs import PassCosts
+    from clover.decoding.policies import SelfSpec, make_policy
+
+    free = PassCosts({1: 10.0, 33: 10.5}, {1: 0.01, 16: 0.02})  # wide passes nearly free
+    monkeypatch.setattr(loop.BatchDecoder, "_pass_costs", lambda self, drafter: free)
+    model = attached(tiny_model(seed=3))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=True)
+    ar, one, many = [], [], []
+    for _ in loop.generate(model, prompts, make_policy("ar"), max_new_tokens=16, results=ar):
+        pass
+    for _ in loop.generate(model, prompts[:1], policy, max_new_tokens=16, results=one):
+        pass
+    for _ in loop.generate(model, prompts, policy, max_new_tokens=16, results=many):
+        pass
+    assert one[0].tokens == ar[0].tokens and [r.tokens for r in many] == [r.tokens for r in ar]
+    assert one[0].drafts.get("drafter", [0])[0] > 0
+    assert all("drafter" not in r.drafts for r in many)
+
 def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache():
     """A drafting row that joins a running batch prefills alone (its drafter context from
     that pass); with a prefix cache, a warm request gives the cold one's tokens."""
