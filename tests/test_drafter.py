@@ -241,7 +241,6 @@ def test_drafter_drafts_are_lossless_batched(draft, adaptive):
     # rows mostly take AR steps (test_costs.py tests the choice itself)
 
 
-
 def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     """Rows whose draft lengths follow the measured costs take drafter drafts only while they
     run alone: in a batch each draft widens every row's pass. With costs that make drafting
@@ -265,6 +264,7 @@ def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     assert one[0].tokens == ar[0].tokens and [r.tokens for r in many] == [r.tokens for r in ar]
     assert one[0].drafts.get("drafter", [0])[0] > 0
     assert all("drafter" not in r.drafts for r in many)
+
 
 def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache():
     """A drafting row that joins a running batch prefills alone (its drafter context from
