@@ -321,15 +321,21 @@ def init_from_target(drafter: Drafter, target: nn.Module, features: torch.Tensor
         drafter.fc.weight[:, deepest * D : (deepest + 1) * D] = torch.eye(D)
         drafter.fc_norm.weight.copy_(layers[ids[0]].input_layernorm.weight.float())
         drafter.norm.weight.copy_(target.model.norm.weight.float())
+        qdim = c.num_attention_heads * c.head_dim
+        linears = (
+            ("self_attn", "q_proj", D),
+            ("self_attn", "k_proj", D),
+            ("self_attn", "v_proj", D),
+            ("self_attn", "o_proj", qdim),
+            ("mlp", "gate_proj", D),
+            ("mlp", "up_proj", D),
+            ("mlp", "down_proj", c.intermediate_size),
+        )  # (module, linear, in_features)
         for dst, i in zip(drafter.layers, ids):
             src = layers[i]
             dst.input_layernorm.weight.copy_(src.input_layernorm.weight.float())
             dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
-            heads = c.num_attention_heads * c.head_dim
-            for part, name, width in (("self_attn", "q_proj", D), ("self_attn", "k_proj", D),
-                                      ("self_attn", "v_proj", D), ("self_attn", "o_proj", heads),
-                                      ("mlp", "gate_proj", D), ("mlp", "up_proj", D),
-                                      ("mlp", "down_proj", c.intermediate_size)):  # fmt: skip
+            for part, name, width in linears:
                 weight = linear_weight(getattr(getattr(src, part), name), width)[0]
                 getattr(getattr(dst, part), name).weight.copy_(weight)
         rows = features.reshape(-1, features.shape[-1]).float()
