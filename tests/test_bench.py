@@ -262,6 +262,38 @@ def test_cli_quality_speed_plot(tiny_checkpoint, tmp_path, capsys):
     assert "clover ar float32" in capsys.readouterr().out
 
 
+def test_cli_speed_and_quality_with_an_adapter_and_a_drafter(tiny_checkpoint, tmp_path, capsys):
+    """The draft adapter and the drafter side by side in one run, the RSS probe included."""
+    from clover.models.adapter import AdapterConfig, attach_adapter, save_adapter
+    from clover.models.drafter import new_drafter, save_drafter
+
+    model = LLM(str(tiny_checkpoint), dtype="float32", progress=False).model
+    drafter = new_drafter(model, "tiny", feature_layers=[0], num_hidden_layers=1, block_size=4)
+    save_drafter(drafter, tmp_path / "d.safetensors", dtype=torch.float32)
+    attach_adapter(model, AdapterConfig(rank=4))
+    save_adapter(model, tmp_path / "a.safetensors", dtype=torch.float32)
+    s = tmp_path / "s.json"
+    rc = main(["bench", "speed", "-m", str(tiny_checkpoint), "--configs",
+               "ar,self_spec:2,self_spec:4:drafter", "--dtypes", "float32", "--tokens", "6",
+               "--reps", "1", "--prompts", "1", "--batch", "1", "--no-plot", "--out", str(s),
+               "--adapter", str(tmp_path / "a.safetensors"),
+               "--drafter", str(tmp_path / "d.safetensors")])  # fmt: skip
+    assert rc == 0
+    report = json.loads(s.read_text())
+    assert report["settings"]["adapter"] == str(tmp_path / "a.safetensors")
+    assert report["settings"]["drafter"] == str(tmp_path / "d.safetensors")
+    assert report["rows"]["clover self_spec:4:drafter float32"]["peak_rss_mb"] > 0
+    q = tmp_path / "q.json"
+    rc = main(["bench", "quality", "-m", str(tiny_checkpoint), "--limit", "2", "--max-tokens",
+               "4", "--configs", "ar,self_spec:2", "--reference", "none", "--dtype", "float32",
+               "--adapter", str(tmp_path / "a.safetensors"), "--no-plot",
+               "--out", str(q)])  # fmt: skip
+    assert rc == 0
+    rc = main(["bench", "speed", "-m", str(tiny_checkpoint), "--adapter",
+               str(tmp_path / "none.safetensors"), "--no-rss"])  # fmt: skip
+    assert rc == 1 and "none.safetensors not found" in capsys.readouterr().err
+
+
 def test_cli_speed_on_a_missing_gpu_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["bench", "speed", "-m", "clover-tiny", "--device", "cuda", "--no-rss"]) == 1

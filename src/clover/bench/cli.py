@@ -92,14 +92,14 @@ def cmd_speed(a: argparse.Namespace) -> int:
     llms: dict[str, object] = {}
     for dt in (a.dtypes or "auto,float32").split(","):
         llm = LLM(a.model, dtype=dt.strip(), progress=False, device=a.device,
-                  drafter=a.drafter)  # fmt: skip
+                  adapter=a.adapter, drafter=a.drafter)  # fmt: skip
         llms.setdefault(llm.dtype, llm)  # `auto` may resolve to float32 itself
     compiled = []
     if a.compile:  # a second, compiled copy per precision: rows side by side with eager
         for dt in list(llms):
             _log(f"compiling the causal passes at {dt} (slow the first time)")
             compiled.append(LLM(a.model, dtype=dt, progress=False, compile=True, device=a.device,
-                                drafter=a.drafter))  # fmt: skip
+                                adapter=a.adapter, drafter=a.drafter))  # fmt: skip
     first = next(iter(llms.values()))
     device = first.device
     if device.type != "cpu":  # peers and RSS probes measure CPU processes: not side by side
@@ -130,7 +130,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
     add_ratios(rows)
     rss: dict[str, float | None] = {}
     if not a.no_rss:
-        base = dict(model=a.model, prompts=prompts, tokens=tokens, batch=max(batches))
+        base = dict(model=a.model, prompts=prompts, tokens=tokens, batch=max(batches),
+                    adapter=a.adapter, drafter=a.drafter)  # fmt: skip
         base.update(threads=torch.get_num_threads(), gguf=str(gguf), pad_id=pad_id)
         specs = {"baseline (python + torch + transformers, no model)": dict(engine="none")}
         for llm in ours:
@@ -159,6 +160,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
         "model": a.model,
         "settings": {
             "configs": [c.name for c in configs],
+            "adapter": first.adapter,
+            "drafter": a.drafter,
             "precisions": {
                 "clover": list(llms),
                 "compiled": [llm.dtype for llm in compiled],
@@ -220,7 +223,7 @@ def cmd_quality(a: argparse.Namespace) -> int:
         a.limit = a.limit or 8
     configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4,self_spec:4:lookup")
     items = load_suite(a.suite, limit=a.limit)
-    llm = LLM(a.model, dtype=a.dtype, progress=False, drafter=a.drafter)
+    llm = LLM(a.model, dtype=a.dtype, progress=False, adapter=a.adapter, drafter=a.drafter)
     reference = None
     if a.reference != "none":
         same = a.reference == a.model and a.reference_dtype == llm.dtype
@@ -372,6 +375,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--compile", action="store_true",
                    help="also rows with torch.compile'd causal passes, per precision")  # fmt: skip
+    s.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     s.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs")
     s.add_argument("--no-plot", action="store_true")
     s.set_defaults(func=cmd_speed)
@@ -384,6 +388,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma list (default ar,low_confidence:32:0.95,self_spec:4,"
                    "self_spec:4:lookup)")  # fmt: skip
     q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
+    q.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     q.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs")
     q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
     q.add_argument("--max-tokens", type=int, default=128)

@@ -359,9 +359,9 @@ def _probe_main(spec: dict) -> None:
     import transformers  # noqa: F401 (the baseline imports what the benchmark process imports)
 
     if spec["engine"] == "clover":
-        llm = LLM(
-            spec["model"], dtype=spec["dtype"], progress=False, compile=spec.get("compile", False)
-        )
+        llm = LLM(spec["model"], dtype=spec["dtype"], progress=False,
+                  compile=spec.get("compile", False), adapter=spec.get("adapter"),
+                  drafter=spec.get("drafter"))  # fmt: skip
         for name in spec["configs"]:
             CloverEngine(llm, DecoderConfig.parse(name)).run(group, n)
     elif spec["engine"] == "transformers":
