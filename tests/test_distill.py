@@ -1,5 +1,8 @@
 import json
+import re
 
+from clover.bench.quality import load_suite
+from clover.bench.speed import PROMPTS
 from clover.data.distill import distill, done_ids, load_examples
 from clover.data.prompts import KINDS, prompt_set
 
@@ -11,6 +14,35 @@ def test_prompt_set_is_deterministic_and_split_by_id():
     bigger = {p["id"]: p["split"] for p in prompt_set(600, seed=0)}
     assert all(bigger[p["id"]] == p["split"] for p in a)  # growing n never moves a prompt
     assert 0 < sum(v == "heldout" for v in bigger.values()) < 100
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+def test_prompt_set_keeps_clear_of_the_benchmarks_items():
+    """Drafters and adapters trained on the prompt set are measured on the quality suite and on
+    the speed prompts: no question of theirs, no code task of theirs, and nothing close to one,
+    is in the set (the set once held 'What is the capital of France?' and the suite's code
+    tasks in other words)."""
+    suite = [item["prompt"] for item in load_suite()]
+    benchmark = suite + PROMPTS
+    # the question part of each item, without its format suffix ("Answer in one word.")
+    questions = {re.split(r"(?<=[?.])\s", p)[0].lower() for p in benchmark}
+    names = {m for p in suite for m in re.findall(r"`(\w+)\(", p)}
+    assert len(questions) > 150 and len(names) == 42
+    filler = _words("a an the of in to is are what how do does write give explain describe "
+                    "answer with just number word one only reply code python function that "
+                    "returns return short few sentences")  # fmt: skip
+    targets = [(p, _words(p) - filler) for p in benchmark]
+    for p in prompt_set(5000, seed=0) + prompt_set(500, seed=1):
+        text = " ".join(m["content"] for m in p["messages"]).lower()
+        assert not any(q in text for q in questions), text
+        assert not any(f"{n}(" in text for n in names), text
+        words = _words(text) - filler
+        for item, item_words in targets:
+            near = len(words & item_words) / len(words | item_words)
+            assert near < 0.7, (text, item)
 
 
 def test_distill_writes_teacher_topk_and_resumes(tiny_checkpoint, tmp_path):
@@ -64,3 +96,25 @@ def test_distill_stops_at_its_time_box_and_resumes(tiny_checkpoint, tmp_path):
     stats = distill(str(tiny_checkpoint), out, 6, max_tokens=4, batch_size=2, top_k=2,
                     dtype="float32", progress=False)  # fmt: skip
     assert stats["written"] == 6 and stats["left"] == 0
+
+
+def test_distill_will_not_mix_answers_made_differently(tiny_checkpoint, tmp_path):
+    import pytest
+
+    from clover.errors import CloverError
+
+    out = tmp_path / "data"
+    kw = dict(max_tokens=4, batch_size=2, dtype="float32", progress=False)
+    distill(str(tiny_checkpoint), out, 2, top_k=2, **kw)
+    before = (out / "distill.jsonl").read_bytes()
+    with pytest.raises(CloverError, match=r"top_k 2 -> 3.*new --out"):
+        distill(str(tiny_checkpoint), out, 4, top_k=3, **kw)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["prompt_set"]  # a directory from before the version was recorded
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CloverError, match="prompt_set 1 -> 2"):
+        distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)
+    assert (out / "distill.jsonl").read_bytes() == before
+    meta["prompt_set"] = 2
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)["written"] == 2

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from clover.data.prompts import prompt_set
+from clover.data.prompts import PROMPT_SET_VERSION, prompt_set
 from clover.errors import CloverError
 
 
@@ -110,7 +110,9 @@ def distill(
         "top_k": top_k,
         "decoder": "ar (greedy)",
         "device": str(dev),
+        "prompt_set": PROMPT_SET_VERSION,
     }
+    _check_meta(out_dir / "meta.json", meta, done)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     eos = llm.tokenizer.eos_token_id
     settings = GenerationSettings(decoder="ar", max_tokens=max_tokens)
@@ -156,6 +158,22 @@ def distill(
         bar.close()
     return {"written": written, "skipped": len(prompts) - len(todo), "left": len(todo) - written,
             "answer_tokens": tokens, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def _check_meta(path: Path, meta: dict, done: set[str]) -> None:
+    """A rerun extends a directory only with answers made the same way: another teacher,
+    precision, seed, top-k, answer length or prompt-set version would mix two datasets."""
+    if not done or not path.exists():
+        return
+    old = json.loads(path.read_text())
+    old.setdefault("prompt_set", 1)  # written before the version was recorded
+    keys = ("teacher", "dtype", "seed", "max_tokens", "top_k", "prompt_set")
+    diff = [f"{k} {old.get(k)!r} -> {meta[k]!r}" for k in keys if old.get(k) != meta[k]]
+    if diff:
+        raise CloverError(
+            f"{path.parent} holds {len(done)} answers made differently ({', '.join(diff)}); "
+            "distil into a new --out directory (nothing was changed here)"
+        )
 
 
 def _truncate_torn_tail(path: Path) -> None:
