@@ -118,3 +118,13 @@ def test_distill_will_not_mix_answers_made_differently(tiny_checkpoint, tmp_path
     meta["prompt_set"] = 2
     (out / "meta.json").write_text(json.dumps(meta))
     assert distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)["written"] == 2
+
+
+def test_distill_leaves_out_prompts_longer_than_the_teacher_s_context(tiny_checkpoint, tmp_path):
+    """The tiny test model has a 256-token context and a byte-sized vocabulary: the long
+    prompts (questions on a given text, code to explain) do not fit and are counted, not fatal."""
+    out = tmp_path / "data"
+    stats = distill(str(tiny_checkpoint), out, 42, max_tokens=2, batch_size=8, top_k=2,
+                    dtype="float32", progress=False)  # fmt: skip
+    assert stats["too_long"] > 0 and stats["written"] + stats["too_long"] == 42
+    assert stats["left"] == 0 and len(load_examples(out)) == stats["written"]

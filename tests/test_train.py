@@ -29,8 +29,11 @@ def test_training_lowers_the_masked_loss(tiny_checkpoint, data, tmp_path, loss):
     train(cfg, progress=False)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 12
-    first, last = lines[0], lines[-1]
-    assert last["masked"] < first["masked"]
+    # the held-out loss (fixed examples) falls; one training batch's loss against another's is
+    # noise at this size
+    evals = [x["heldout"]["masked"] for x in lines if "heldout" in x]
+    last = lines[-1]
+    assert len(evals) == 4 and evals[-1] < evals[0]
     assert "heldout" in last and last["tokens_per_s"] > 0
     assert "accept" in last["heldout"] and 0 <= last["heldout"]["pos_acc"] <= 1
     from clover.engine import LLM

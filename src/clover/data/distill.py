@@ -122,14 +122,25 @@ def distill(
 
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill",
                    unit="prompt")  # fmt: skip
-    t0, tokens, written = time.perf_counter(), 0, 0
+    t0, tokens, written, too_long = time.perf_counter(), 0, 0, 0
+    context = llm.model.context_length
     # on a GPU every tensor the engine makes must land there: factories default to `dev`
     with open(path, "a", encoding="utf-8") as f, torch.device(dev):
         for start in range(0, len(todo), batch_size):
             if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
                 break
-            batch = todo[start : start + batch_size]
-            ids = [llm.chat_prompt(p["messages"]) for p in batch]
+            batch, ids = [], []
+            for p in todo[start : start + batch_size]:
+                prompt = llm.chat_prompt(p["messages"])
+                if len(prompt) < context:
+                    batch.append(p)
+                    ids.append(prompt)
+                else:  # left out, not an error: a short-context teacher still distils the rest
+                    too_long += 1
+                    if bar is not None:
+                        bar.update(1)
+            if not batch:
+                continue
             completions: list = []
             for _ in llm.stream(ids, settings, completions, cached=False):  # order-independent
                 pass
@@ -156,8 +167,9 @@ def distill(
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
     if bar is not None:
         bar.close()
-    return {"written": written, "skipped": len(prompts) - len(todo), "left": len(todo) - written,
-            "answer_tokens": tokens, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    return {"written": written, "skipped": len(prompts) - len(todo), "too_long": too_long,
+            "left": len(todo) - written - too_long, "answer_tokens": tokens,
+            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
 def _check_meta(path: Path, meta: dict, done: set[str]) -> None:
