@@ -115,6 +115,8 @@ def test_distill_will_not_mix_answers_made_differently(tiny_checkpoint, tmp_path
     with pytest.raises(CloverError, match="prompt_set 1 -> 2"):
         distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)
     assert (out / "distill.jsonl").read_bytes() == before
+    with pytest.warns(UserWarning, match="prompt set 1, which holds quality-suite"):
+        load_examples(out)  # the trainers read it: they say the data is the old set
     meta["prompt_set"] = 2
     (out / "meta.json").write_text(json.dumps(meta))
     assert distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)["written"] == 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -207,6 +208,15 @@ def load_examples(path: Path, split: str | None = None) -> list[dict]:
         path = path / "distill.jsonl"
     if not path.exists():
         raise CloverError(f"no distillation data at {path}: run `clover data distill` first")
+    meta = path.parent / "meta.json"
+    version = json.loads(meta.read_text()).get("prompt_set", 1) if meta.is_file() else None
+    if version is not None and version < PROMPT_SET_VERSION:
+        warnings.warn(
+            f"{path.parent} was distilled from prompt set {version}, which holds quality-suite "
+            "questions: acceptance measured on the suite after training on it reads high; "
+            "distil again into a new directory for clean measurements",
+            stacklevel=2,
+        )
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
