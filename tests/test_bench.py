@@ -289,6 +289,11 @@ def test_cli_speed_and_quality_with_an_adapter_and_a_drafter(tiny_checkpoint, tm
                "--adapter", str(tmp_path / "a.safetensors"), "--no-plot",
                "--out", str(q)])  # fmt: skip
     assert rc == 0
+    summary = json.loads(q.read_text())["summary"]
+    assert summary["ar"]["verify_passes"] is None
+    passes = summary["self_spec:2"]["verify_passes"]  # what each pass kept, as speed reports it
+    assert sum(passes["kept_per_pass_histogram"].values()) == passes["passes_with_a_draft"] > 0
+    assert 1 <= passes["mean_tokens_per_verify_pass"] <= 3
     rc = main(["bench", "speed", "-m", str(tiny_checkpoint), "--adapter",
                str(tmp_path / "none.safetensors"), "--no-rss"])  # fmt: skip
     assert rc == 1 and "none.safetensors not found" in capsys.readouterr().err

@@ -61,6 +61,7 @@ class Completion:
     seconds: float
     steps: list[int] = field(default_factory=list)  # denoising step that committed each token
     drafts: dict = field(default_factory=dict)  # self_spec: source -> [drafted, kept] tokens
+    accepted: list[int] = field(default_factory=list)  # self_spec: drafts kept per verify pass
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prefill_seconds: float = 0.0  # to the pass that gave the first logits (`RowResult`)
     ttft: float = 0.0  # seconds from the call to this answer's first text (0: none came)
@@ -278,6 +279,7 @@ class LLM:
                     seconds=seconds,
                     steps=r.steps,
                     drafts=r.drafts,
+                    accepted=r.accepted,
                     cached_tokens=r.cached_tokens,
                     prefill_seconds=r.prefill_seconds,
                     ttft=first[i],

@@ -101,6 +101,18 @@ def parse_configs(text: str | list[str]) -> list[DecoderConfig]:
     return list(dict.fromkeys(configs))
 
 
+def verify_passes(accepted: list[int]) -> dict | None:
+    """self_spec: what each verify pass with a draft kept -> the mean tokens it yielded (the
+    kept drafts plus the target's own token: DFlash's acceptance length) and a histogram."""
+    if not accepted:
+        return None
+    return {
+        "passes_with_a_draft": len(accepted),
+        "mean_tokens_per_verify_pass": round(1 + sum(accepted) / len(accepted), 3),
+        "kept_per_pass_histogram": {str(k): accepted.count(k) for k in range(max(accepted) + 1)},
+    }
+
+
 def machine() -> dict:
     import torch
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from clover.bench.common import DecoderConfig
+from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
 from clover.errors import CloverError
 
@@ -170,7 +170,10 @@ def run_quality(
     configs = [ar] + [c for c in configs if c != ar]
     prompts = [llm.chat_prompt([{"role": "user", "content": it["prompt"]}]) for it in items]
     outputs: list[dict] = [{} for _ in items]
-    totals = {c.name: {"tokens": 0, "nfe": 0, "seconds": 0.0, "drafts": {}} for c in configs}
+    totals = {
+        c.name: {"tokens": 0, "nfe": 0, "seconds": 0.0, "drafts": {}, "accepted": []}
+        for c in configs
+    }
     traces: dict[str, dict] = {}
     trace_at = next((i for i, it in enumerate(items) if it["kind"] == "open"), 0)
     for start in range(0, len(items), batch_size):
@@ -192,6 +195,7 @@ def run_quality(
                 for source, (drafted, kept) in c.drafts.items():
                     tally = tot["drafts"].setdefault(source, [0, 0])
                     tally[0], tally[1] = tally[0] + drafted, tally[1] + kept
+                tot["accepted"].extend(c.accepted)
                 outputs[i][config.name] = {
                     "text": c.text,
                     "token_ids": c.token_ids,
@@ -294,4 +298,5 @@ def _summarize(name: str, per_item: list[dict], total: dict) -> dict:
             }
             for source, (d, k) in sorted(total["drafts"].items())
         },
+        "verify_passes": verify_passes(total["accepted"]),
     }

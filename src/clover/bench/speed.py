@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clover.bench.common import DecoderConfig, spread
+from clover.bench.common import DecoderConfig, spread, verify_passes
 from clover.errors import CloverError
 
 DEFAULT_CONFIGS = (
@@ -282,11 +282,7 @@ def run_speed(
                         t = drafts.setdefault(source, [0, 0])
                         t[0], t[1] = t[0] + d, t[1] + k
                 row["batch"][str(batch)]["speculation"] = {
-                    "passes_with_a_draft": len(accepted),
-                    "mean_tokens_per_verify_pass": round(1 + sum(accepted) / len(accepted), 3),
-                    "kept_per_pass_histogram": {
-                        str(k): accepted.count(k) for k in range(max(accepted) + 1)
-                    },
+                    **verify_passes(accepted),
                     "drafted_kept_by_source": drafts,
                 }
     _agreement(out, times, engines)
