@@ -328,6 +328,17 @@ def test_request_timeout(small_server):
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(checkpoint):
+    # The answer takes ~1 s here; on a loaded machine the server can finish writing it before
+    # this client has read its first line, and then it has nothing to drain and exits before
+    # the second request. That attempt says nothing about draining, so it is run again; a
+    # server that does not drain refuses the second request every time.
+    for _ in range(3):
+        if _sigterm_drains_once(checkpoint):
+            return
+    pytest.fail("the server exited at SIGTERM three times without draining")
+
+
+def _sigterm_drains_once(checkpoint) -> bool:
     s = ServerProcess(checkpoint, "--shutdown-grace", "20")
     body = {"messages": CHAT, "max_tokens": 1000, "decoder": "ar", "stream": True}
     events, started = [], threading.Event()
@@ -345,10 +356,16 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(checkpoint):
     s.process.send_signal(signal.SIGTERM)
     assert "[DONE]" not in events  # the answer is still being written
     time.sleep(0.3)
-    r = post(s.url, "/v1/chat/completions", {**MSG, "max_tokens": 4}, headers={})
+    try:
+        r = post(s.url, "/v1/chat/completions", {**MSG, "max_tokens": 4}, headers={})
+    except httpx.ConnectError:
+        reader.join(30)
+        assert s.process.wait(20) == 0
+        return False  # the answer was already written: nothing was left to drain
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert httpx.get(f"{s.url}/health").status_code == 503
     reader.join(30)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert s.process.wait(20) == 0
+    return True
