@@ -72,7 +72,7 @@ def test_lookup_drafts_grow_with_a_long_match():
 def test_rows_start_from_what_earlier_rows_saw():
     """A shared estimate (one per model and source): a fresh row of a drafter that kept
     losing starts pessimistic; the shared estimate drifts back to the prior slowly."""
-    from clover.decoding.costs import shared_acceptance
+    from clover.decoding.costs import relax_shared, shared_acceptance
 
     model = tiny_model()
     book = shared_acceptance(model, "drafter", 4)
@@ -86,8 +86,30 @@ def test_rows_start_from_what_earlier_rows_saw():
     assert fresh.p == book.p  # not the 0.6 prior
     mid = PassCosts({1: 10.0, 2: 11.0, 4: 13.0, 8: 19.0})
     assert best_length(fresh.p, mid, 3) == 0 and best_length(Acceptance(4).p, mid, 3) > 0
+    before = list(book.p)
+    for _ in range(50):  # rows relaxing leave the shared estimate alone: the loop drifts it
+        fresh.relax()
+    assert book.p == before
     for _ in range(3000):  # nobody drafts: the shared estimate comes back to the prior
+        relax_shared(model)
         fresh.relax()
     assert book.p[0] > 0.5 and fresh.p[0] > 0.5
     longer = Acceptance(6, shared=book)  # more positions than the book: the rest at the prior
     assert len(longer.p) == 6 and longer.p[5] == 0.6
+
+
+def test_the_shared_estimates_drift_once_per_step_at_any_batch(monkeypatch):
+    """At batch 3 the shared acceptance drifts as at batch 1: once per decode step (it used
+    to drift once per row per step, and twice for a row that had just drafted)."""
+    from clover.decoding import loop
+    from clover.decoding.policies import SelfSpec
+
+    calls, events = [], []
+    monkeypatch.setattr(loop, "relax_shared", lambda model: calls.append(model))
+    model = tiny_model(seed=3)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    policy = SelfSpec(block_size=4, draft="lookup", adaptive=True)
+    for event in loop.generate(model, prompts, policy, max_new_tokens=12):
+        events.append(event)
+    assert len(calls) == events[-1].step > 3  # one per step of the loop, not per row
+    assert all(m is model for m in calls)

@@ -76,7 +76,11 @@ class Acceptance:
     row starts from what the rows before it saw and drifts back toward that, not toward a
     fixed prior: a fresh row of a weak drafter starts pessimistic instead of paying for
     drafts until it learns. The shared estimate itself drifts slowly toward the prior, so a
-    source that stopped drafting everywhere is tried again later."""
+    source that stopped drafting everywhere is tried again later.
+
+    `update` takes evidence, `relax` drifts: a row calls `relax` once per step (whether it
+    drafted or not), and the decode loop relaxes the shared estimates once per step
+    (`relax_shared`), however many rows run."""
 
     def __init__(self, positions: int, prior: float = 0.6, rate: float = 0.2,
                  drift: float = 0.02, shared: Acceptance | None = None) -> None:  # fmt: skip
@@ -94,15 +98,13 @@ class Acceptance:
                 self.p[i] += self.rate * (hit - self.p[i])
         if self.shared is not None:
             self.shared.update(drafted, accepted)
-        self.relax()
 
     def relax(self) -> None:
         """Drift toward the prior, or the shared estimate (a row that stopped drafting tries
-        again later)."""
+        again later). A row's relax leaves the shared estimate alone: `relax_shared`."""
         if self.shared is None:
             self.p = [x + self.drift * (self.prior - x) for x in self.p]
             return
-        self.shared.relax()
         toward = self.shared.p
         self.p = [x + self.drift * (toward[i] - x) if i < len(toward) else x
                   for i, x in enumerate(self.p)]  # fmt: skip
@@ -116,6 +118,13 @@ def shared_acceptance(model: torch.nn.Module, source: str, positions: int) -> Ac
     learns 4x slower than a row's and drifts back to the prior 10x slower."""
     book = _SHARED.setdefault(model, {})
     return book.setdefault((source, positions), Acceptance(positions, rate=0.05, drift=0.002))
+
+
+def relax_shared(model: torch.nn.Module) -> None:
+    """One step of drift for `model`'s shared estimates: called once per decode step, so they
+    come back toward the prior at the same pace at batch 1 and batch 8."""
+    for book in _SHARED.get(model, {}).values():
+        book.relax()
 
 
 # --- measured once, cached ------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from clover.decoding.constraints import LogitsConstraint
-from clover.decoding.costs import PassCosts, cached_costs
+from clover.decoding.costs import PassCosts, cached_costs, relax_shared
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
@@ -367,6 +367,7 @@ class BatchDecoder:
                 del r.committed[len(r.committed) - n :]
         if self.drafting is not None and T:
             self._draft(features, n_commit - rollback, keep)
+        relax_shared(model)  # the shared acceptance estimates drift once per step
         now = time.perf_counter()
         for r in active:
             if not r.result.prefill_seconds and r.steps:
