@@ -113,7 +113,7 @@ def distill(
         "device": str(dev),
         "prompt_set": PROMPT_SET_VERSION,
     }
-    _check_meta(out_dir / "meta.json", meta, done)
+    _check_meta(out_dir, meta, done)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     eos = llm.tokenizer.eos_token_id
     settings = GenerationSettings(decoder="ar", max_tokens=max_tokens)
@@ -173,18 +173,28 @@ def distill(
             "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
-def _check_meta(path: Path, meta: dict, done: set[str]) -> None:
+def read_meta(out_dir: Path) -> dict | None:
+    """A distilled directory's meta.json, or None; one written before the prompt-set version
+    was recorded is version 1."""
+    path = Path(out_dir) / "meta.json"
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text())
+    meta.setdefault("prompt_set", 1)
+    return meta
+
+
+def _check_meta(out_dir: Path, meta: dict, done: set[str]) -> None:
     """A rerun extends a directory only with answers made the same way: another teacher,
     precision, seed, top-k, answer length or prompt-set version would mix two datasets."""
-    if not done or not path.exists():
+    old = read_meta(out_dir) if done else None
+    if old is None:
         return
-    old = json.loads(path.read_text())
-    old.setdefault("prompt_set", 1)  # written before the version was recorded
     keys = ("teacher", "dtype", "seed", "max_tokens", "top_k", "prompt_set")
     diff = [f"{k} {old.get(k)!r} -> {meta[k]!r}" for k in keys if old.get(k) != meta[k]]
     if diff:
         raise CloverError(
-            f"{path.parent} holds {len(done)} answers made differently ({', '.join(diff)}); "
+            f"{out_dir} holds {len(done)} answers made differently ({', '.join(diff)}); "
             "distil into a new --out directory (nothing was changed here)"
         )
 
@@ -208,13 +218,12 @@ def load_examples(path: Path, split: str | None = None) -> list[dict]:
         path = path / "distill.jsonl"
     if not path.exists():
         raise CloverError(f"no distillation data at {path}: run `clover data distill` first")
-    meta = path.parent / "meta.json"
-    version = json.loads(meta.read_text()).get("prompt_set", 1) if meta.is_file() else None
-    if version is not None and version < PROMPT_SET_VERSION:
+    meta = read_meta(path.parent)
+    if meta is not None and meta["prompt_set"] < PROMPT_SET_VERSION:
         warnings.warn(
-            f"{path.parent} was distilled from prompt set {version}, which holds quality-suite "
-            "questions: acceptance measured on the suite after training on it reads high; "
-            "distil again into a new directory for clean measurements",
+            f"{path.parent} was distilled from prompt set {meta['prompt_set']}, which holds "
+            "quality-suite questions: acceptance measured on the suite after training on it "
+            "reads high; distil again into a new directory for clean measurements",
             stacklevel=2,
         )
     out = []
