@@ -242,6 +242,41 @@ def test_drafter_drafts_are_lossless_batched(draft, adaptive):
     # rows mostly take AR steps (test_costs.py tests the choice itself)
 
 
+def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
+    """drafter+lookup: a context match takes the next pass, so the drafter does not draft for
+    it (a drafter pass whose draft is thrown away costs as much as one that is verified):
+    every drafter draft taken is verified, and lookup drafts still run."""
+    from clover.decoding import rows
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import SelfSpec, make_policy
+
+    taken, verified = [0], [0]
+    take, update = rows.SpecRow.take_drafts, rows.SpecRow.update
+
+    def counting_take(self, logits, sampling):
+        taken[0] += 1
+        return take(self, logits, sampling)
+
+    def counting_update(self, logits, sampling, eos):
+        if self.draft and not self._from_context and not self.refining:
+            verified[0] += 1
+        return update(self, logits, sampling, eos)
+
+    monkeypatch.setattr(rows.SpecRow, "take_drafts", counting_take)
+    monkeypatch.setattr(rows.SpecRow, "update", counting_update)
+    model = attached(tiny_model(seed=3))
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 9, 10, 9, 10]]
+    ar, spec = [], []
+    for _ in generate(model, prompts, make_policy("ar"), max_new_tokens=32, results=ar):
+        pass
+    policy = SelfSpec(block_size=4, draft="drafter+lookup", adaptive=False)
+    for _ in generate(model, prompts, policy, max_new_tokens=32, results=spec):
+        pass
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert all(r.drafts.get("lookup", [0])[0] > 0 for r in spec)
+    assert taken[0] > 0 and taken[0] == verified[0]
+
+
 def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     """Rows whose draft lengths follow the measured costs take drafter drafts only while they
     run alone: in a batch each draft widens every row's pass. With costs that make drafting

@@ -344,25 +344,32 @@ class SpecRow(Row):
         if self.refining:  # [certain | draft as a block]
             return self.pending + self.draft, len(self.pending)
         self._from_context = False
-        if self.context is not None:
-            room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
-            if self.costs is None:  # fixed: block_size - 1 drafted tokens at most
-                found = self.context.draft(min(self.policy.block_size - 1, room))
-            else:  # long matches may draft far; as far as this machine and these matches pay
-                found = self.context.draft(min(self.policy.block_size - 1, room), room)
-                found = found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
-            if found:  # a context match beats the block's or the drafter's guess
-                self.draft, self.draft_q, self._from_context = found, None, True
+        found = self._lookup()
+        if found:  # a context match beats the block's or the drafter's guess
+            self.draft, self.draft_q, self._from_context = found, None, True
         return self._verify_plan(mask_id)
 
+    def _lookup(self) -> list[int]:
+        """The context-lookup draft for the next pass ([] without lookup or a paying match)."""
+        if self.context is None:
+            return []
+        room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
+        if self.costs is None:  # fixed: block_size - 1 drafted tokens at most
+            return self.context.draft(min(self.policy.block_size - 1, room))
+        # long matches may draft far; as far as this machine and these matches pay
+        found = self.context.draft(min(self.policy.block_size - 1, room), room)
+        return found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
+
     def drafter_length(self) -> int:
-        """How many tokens the drafter should draft for the next pass (0: none)."""
+        """How many tokens the drafter should draft for the next pass (0: none, also when the
+        next plan will take a context match instead: that drafter pass would be thrown away)."""
         room = self.max_new - len(self.answer) - 1
         if (
             not self.uses_drafter
             or self.draft
             or room <= 0
             or first_eos(self.answer, self.eos) is not None
+            or self._lookup()  # the next plan takes a context match over any drafter draft
         ):
             return 0
         most = min(self.policy.block_size - 1, room)
