@@ -458,3 +458,96 @@ def test_an_int4_drafter_takes_rows_of_different_lengths():
         q.commit(feats[:, :2], torch.tensor([1, 2]), cache)
         h = q.block_hidden(torch.tensor([5, 6]), model.model.embed_tokens, cache)
     assert torch.equal(cache.lengths, torch.tensor([8, 6])) and bool(torch.isfinite(h).all())
+
+
+def test_draft_vocabulary_takes_the_answers_tokens_then_the_lowest_ids():
+    from clover.train.drafter import DrafterTrainConfig, draft_vocabulary
+
+    records = [{"answer_ids": [40, 40, 41, 63, 40, 41]}, {"answer_ids": [50]}]
+    ids = draft_vocabulary(records, 64, 16)
+    assert ids.tolist() == sorted([40, 41, 63, 50] + list(range(12)))
+    assert draft_vocabulary(records, 64, 2).tolist() == [40, 41]  # the most used first
+    assert draft_vocabulary(records, 64, 0) is None and draft_vocabulary(records, 64, 64) is None
+    with pytest.raises(CloverError, match="multiple of 16"):
+        DrafterTrainConfig(target="t", data="d", out="o", draft_vocab=100)
+
+
+@pytest.mark.parametrize("int4", [False, True])
+def test_a_draft_vocabulary_drafts_only_from_it(int4, tmp_path):
+    """With a draft vocabulary the drafter's logits are the whole head's for those ids (the
+    quantized head's own levels, not rounded again) and -inf elsewhere; the file keeps it."""
+    from clover import kernels
+    from clover.decoding.drafting import DrafterRunner
+    from clover.quant import quantize_model
+
+    if int4 and kernels.load() is None:
+        pytest.skip("no C++ compiler here")
+    model = tiny_model()
+    if int4:
+        quantize_model(model, "int4", head="int4")
+    drafter = drafter_for(model)
+    vocab = torch.arange(1, 64, 2)  # 32 ids
+    drafter.set_vocab(vocab)
+    path = save_drafter(drafter, tmp_path / "d.safetensors", dtype=torch.float32)
+    back = load_drafter(path, model)
+    assert torch.equal(back.vocab, vocab) and back.config.draft_vocab == 32
+    feats = torch.randn(1, 6, 2 * model.config.hidden_size)
+    full, part = DrafterRunner(model, back), DrafterRunner(model, back)
+    full.head = None  # the whole head: the reference
+    for r in (full, part):
+        r.add_row()
+        r.commit(feats, torch.tensor([6]))
+    a, b = full.draft(torch.tensor([5]), 4), part.draft(torch.tensor([5]), 4)
+    others = torch.ones(64, dtype=torch.bool)
+    others[vocab] = False
+    assert bool(torch.isinf(b[..., others]).all())
+    torch.testing.assert_close(b[..., vocab], a[..., vocab], rtol=0, atol=1e-5)
+    # a file whose config and tensors disagree is refused by name
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    del state["draft_vocab"]
+    meta = {"format": "pt", "clover_drafter": json.dumps(asdict(read_drafter_config(path)))}
+    save_file(state, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(CloverError, match="draft vocabulary of 32"):
+        load_drafter(tmp_path / "bad.safetensors", model)
+    with pytest.raises(CloverError, match="multiple of 16"):
+        drafter.set_vocab(torch.arange(10))
+
+
+def test_draft_vocabulary_drafts_are_lossless():
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import SelfSpec, make_policy
+
+    model = attached(tiny_model(seed=3))
+    model.drafter.set_vocab(torch.arange(0, 64, 2)[:32])
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10]]
+    ar, spec = [], []
+    for _ in generate(model, prompts, make_policy("ar"), max_new_tokens=20, results=ar):
+        pass
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    for _ in generate(model, prompts, policy, max_new_tokens=20, results=spec):
+        pass
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert any("drafter" in r.drafts for r in spec)
+
+
+def test_training_sets_the_draft_vocabulary_and_a_finished_run_rewrites_its_file(
+    tiny_checkpoint, data, tmp_path
+):
+    """A run writes its draft vocabulary; running a finished run again trains nothing more and
+    rewrites its file in the current format (here: with a vocabulary it did not have)."""
+    from clover.train.drafter import train_drafter
+
+    out = tmp_path / "run"
+    train_drafter(drafter_config(tiny_checkpoint, data, out, draft_vocab=0), progress=False)
+    path = out / "drafter.safetensors"
+    assert read_drafter_config(path).draft_vocab == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    again = train_drafter(drafter_config(tiny_checkpoint, data, out, draft_vocab=64),
+                          progress=False)  # fmt: skip
+    assert again == {"step": 8, "rewritten": str(path)}
+    assert (out / "metrics.jsonl").read_text().splitlines() == lines
+    config = read_drafter_config(path)
+    assert config.draft_vocab == 64 and config.info["steps"] == 8
+    assert len(load_drafter(path).vocab) == 64

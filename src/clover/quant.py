@@ -343,6 +343,27 @@ def quantize_model(
     return model
 
 
+def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
+    """The model's LM head restricted to output rows `rows` (a drafter's vocabulary): float32
+    logits over those tokens, each exactly the full head's logit for it. Quantized heads keep
+    their levels (no rounding again); None where that cannot be done (PyTorch's int4 fallback,
+    or a row count the kernel cannot tile), and the caller uses the whole head."""
+    head = getattr(model, "quantized_head", None)
+    if head is None:
+        weight = model.head_weight().detach()[rows]
+        sub = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+        sub.weight = nn.Parameter(weight, requires_grad=False)
+        return sub
+    qweight = getattr(head, "weight", None)
+    if not isinstance(qweight, QWeight) or len(rows) % 16 or head.bias is not None:
+        return None
+    q, scale, low = qweight.row_levels(rows)
+    cls = Int4Linear if qweight.bits == 4 else Int8Linear
+    sub = cls.from_levels(q, scale, low)
+    sub.float_output = True
+    return sub
+
+
 def quantize_linears(module: nn.Module, group: int = GROUP) -> nn.Module:
     """In place: every nn.Linear of `module` whose shape the int4 kernel takes becomes an
     Int4Linear (a small model beside the main one, e.g. a drafter; no LM head, no packing)."""

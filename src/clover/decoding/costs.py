@@ -183,9 +183,10 @@ def measure(model: torch.nn.Module, drafter: object = None, reps: int = 5,
 
 def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> PassCosts:
     """The cost table for this model here, measured on first use and kept in the user cache."""
-    key = costs_key(
-        model, label + (f"|drafter:{drafter.config.target_fingerprint}" if drafter else "")
-    )
+    if drafter is not None:  # its shape and head decide its pass's cost
+        c = drafter.config
+        label += f"|drafter:{c.target_fingerprint}:{c.num_hidden_layers}:{c.draft_vocab}"
+    key = costs_key(model, label)
     path = costs_path(key)
     try:
         d = json.loads(path.read_text())

@@ -6,10 +6,11 @@ Per step, after the target's verify pass (which computed the features anyway: th
 costs no extra target pass): `commit` appends the features of each row's tokens that stayed
 committed (certain tokens + accepted drafts), then `draft` runs one drafter pass over a block
 [the new certain token, MASK x (w - 1)] for the rows that want a draft and returns each row's
-draft logits. A row whose prompt prefix came from the prefix cache has no features for that
-prefix: its drafter context starts after it. Positions need no offset for that (RoPE attention
-sees only distances, the same either way); it costs draft quality, never exactness (every
-draft is verified).
+draft logits (from the LM head's rows of the drafter's draft vocabulary only, if it has
+one: the rest are -inf). A row whose prompt prefix came from the prefix cache has no features
+for that prefix: its drafter context starts after it. Positions need no offset for that
+(RoPE attention sees only distances, the same either way); it costs draft quality, never
+exactness (every draft is verified).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ class DrafterRunner:
         self.model, self.drafter = model, drafter
         self.layers = tuple(drafter.config.feature_layers)
         self.cache = None
+        self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
+        if drafter.vocab is not None:
+            from clover.quant import head_rows
+
+            device = model.model.embed_tokens.weight.device
+            self.head = head_rows(model, drafter.vocab.to(device))
+            self.vocab = drafter.vocab.to(device) if self.head is not None else None
 
     @property
     def block_size(self) -> int:
@@ -55,4 +63,10 @@ class DrafterRunner:
         positions 1 .. width - 1 after it (rows that want no draft ignore theirs)."""
         with torch.inference_mode():
             h = self.drafter.block_hidden(first, self.model.model.embed_tokens, self.cache, width)
-            return self.model.logits(h[:, 1:].to(self.model.model.embed_tokens.weight.dtype))
+            h = h[:, 1:].to(self.model.model.embed_tokens.weight.dtype)
+            if self.head is None:
+                return self.model.logits(h)
+            # the draft vocabulary's logits, every other token at -inf (never drafted)
+            part = self.head(h).float()  # [B, width - 1, n]
+            out = part.new_full((*part.shape[:2], self.drafter.config.vocab_size), float("-inf"))
+            return out.scatter_(-1, self.vocab.expand_as(part), part)

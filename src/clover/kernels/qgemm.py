@@ -127,6 +127,14 @@ class QWeight:
             self.q, self.bits, self.group, self.out_features, self.in_features
         )
 
+    def row_levels(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(levels, scale, low) of output rows `rows`, exactly as stored: `from_levels` of them
+        (bits 4, or 8 for 5- and 8-bit levels) packs those rows of this matrix unchanged."""
+        N, G = self.out_features, self.in_features // self.group
+        s = self.scales.float().permute(0, 3, 1, 2).reshape(N, G, -1)[rows]  # [n, G, 1 or 2]
+        low = s[..., 1].contiguous() if self.has_low else None
+        return self.levels()[rows], s[..., 0].contiguous(), low
+
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K]: levels * scale + low (the reference for the kernel)."""
         N, G = self.out_features, self.in_features // self.group

@@ -11,7 +11,8 @@ target to verify causally (`self_spec` with `draft="drafter"`).
   block; the block sees every context position before p and itself both ways. (Both as in the
   `speculators` DFlash layout, so an export loads there as it runs here.)
 - Output: the target's LM head (frozen) on the final hidden state; block position i >= 1
-  predicts the token at position p + i.
+  predicts the token at position p + i. A drafter may draft from a part of the vocabulary
+  (`draft_vocab`: the head's rows for those ids only, a few times cheaper; trained on all).
 
 Decoding keeps the context K/V per drafter layer in a `ModelCache` of `KVCache`s: features of
 newly committed tokens are projected once and appended (`commit`), each draft is one block pass
@@ -69,6 +70,10 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    # drafts come from these many token ids (the `draft_vocab` tensor of the file: what the
+    # training answers used most, then the lowest ids); 0: the whole vocabulary. A smaller
+    # LM head is most of a drafter pass's cost; the verify pass still reads the whole head
+    draft_vocab: int = 0
     info: dict = field(default_factory=dict)  # provenance: data, steps, measurements
 
     def __post_init__(self) -> None:
@@ -82,6 +87,8 @@ class DrafterConfig:
             raise CloverError("drafter config: feature_layers must name target layers")
         if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
             raise CloverError("drafter config: heads must divide evenly, head_dim be even")
+        if not isinstance(self.draft_vocab, int) or not 0 <= self.draft_vocab < self.vocab_size:
+            raise CloverError("drafter config: draft_vocab must be 0 (all) or under vocab_size")
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -173,6 +180,22 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, None)
+        self.vocab: torch.Tensor | None = None  # the draft vocabulary's ids (`set_vocab`)
+
+    def set_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft only from token ids `ids` (sorted, distinct, a multiple of 16 of them, for
+        the kernel's tiles); None: from the whole vocabulary."""
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten().cpu()
+            V = self.config.vocab_size
+            if (len(ids) % 16 or len(ids) >= V or int(ids.min()) < 0 or int(ids.max()) >= V
+                    or not bool((ids[1:] > ids[:-1]).all())):  # fmt: skip
+                raise CloverError(
+                    f"a draft vocabulary is sorted distinct ids under {V}, a multiple of 16 of "
+                    f"them and fewer than the vocabulary (got {len(ids)})"
+                )
+        self.vocab = ids
+        self.config.draft_vocab = 0 if ids is None else len(ids)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """features [B, T, k * D] (the target's, float32) -> context vectors [B, T, D]."""
@@ -358,6 +381,8 @@ def save_drafter(drafter: Drafter, path: Path, dtype: torch.dtype = torch.bfloat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in drafter.state_dict().items()}
+    if drafter.vocab is not None:
+        state["draft_vocab"] = drafter.vocab.to(torch.int64).contiguous()
     meta = {"format": "pt", "clover_drafter": json.dumps(asdict(drafter.config))}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
@@ -399,6 +424,10 @@ def load_drafter(
         )
     drafter = Drafter(config)
     state = load_file(str(path))
+    vocab = state.pop("draft_vocab", None)
+    if (0 if vocab is None else len(vocab)) != config.draft_vocab:
+        raise CloverError(f"{path}: its config says a draft vocabulary of {config.draft_vocab} "
+                          f"ids, the file holds {0 if vocab is None else len(vocab)}")  # fmt: skip
     missing, extra = set(drafter.state_dict()) - set(state), set(state) - set(drafter.state_dict())
     if "mask_embedding" in extra:
         raise CloverError(f"{path}: a drafter of an earlier Clover (a learned [MASK] vector, no "
@@ -407,6 +436,7 @@ def load_drafter(
         raise CloverError(f"{path}: drafter file lacks {sorted(missing)[:3]}, has extra "
                           f"{sorted(extra)[:3]}")  # fmt: skip
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    drafter.set_vocab(vocab)
     return drafter.to(dtype).eval()
 
 

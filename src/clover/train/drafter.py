@@ -65,6 +65,9 @@ class DrafterTrainConfig:
     # "target": the drafter's layers start as copies of the target's last layers
     # (models/drafter.py `init_from_target`); "random": from scratch
     init: str = "random"
+    # draft from this many token ids (`draft_vocabulary`), a multiple of 16; 0, or the
+    # target's vocabulary size or more: from all of it. Training's loss reads all of it
+    draft_vocab: int = 16384
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -79,6 +82,10 @@ class DrafterTrainConfig:
             raise CloverError("block_size must be >= 2 and decay > 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise CloverError(f"max_minutes must be > 0, got {self.max_minutes!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0 or self.draft_vocab % 16:
+            raise CloverError(
+                f"draft_vocab must be 0 or a multiple of 16, not {self.draft_vocab!r}"
+            )
 
     @classmethod
     def from_yaml(cls, path: Path, **overrides: object) -> DrafterTrainConfig:
@@ -123,6 +130,19 @@ def load_sets(cfg: DrafterTrainConfig) -> tuple[list[dict], list[dict], list[dic
     if not train:
         raise CloverError(f"{cfg.data}: no training examples (run `clover data distill`)")
     return train, heldout[: cfg.eval_examples], unseen[: cfg.eval_examples]
+
+
+def draft_vocabulary(records: list[dict], vocab_size: int, size: int) -> torch.Tensor | None:
+    """The `size` token ids a drafter drafts from: the training answers' tokens, most used
+    first, then the lowest ids not yet in (a BPE vocabulary's first merges are its most common
+    pieces: they cover tokens the answers never used). Sorted; None for the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = collections.Counter(t for r in records for t in r["answer_ids"] if t < vocab_size)
+    chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][:size]
+    taken = set(chosen)
+    chosen += [t for t in range(vocab_size) if t not in taken][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 class FeatureCache:
@@ -233,7 +253,12 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
         per = (tp.exp() * (tp - logp.gather(-1, tid))).sum(-1)
     loss = (per * weight).sum() / weight.sum().clamp(min=1)
     with torch.no_grad():
-        hits = (logp.argmax(-1) == labels) & valid
+        if drafter.vocab is None:
+            drafted = logp.argmax(-1)
+        else:  # as it will draft: from its draft vocabulary only
+            vocab = drafter.vocab.to(logp.device)
+            drafted = vocab[logp.index_select(-1, vocab).argmax(-1)]
+        hits = (drafted == labels) & valid
         run = hits.long().cumprod(-1).sum(-1).float()  # leading drafts the teacher agrees with
     return loss, {
         "loss": float(loss.detach()),
@@ -313,6 +338,7 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     if cfg.feature_layers:
         overrides["feature_layers"] = list(cfg.feature_layers)
     drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
+    drafter.set_vocab(draft_vocabulary(train, drafter.config.vocab_size, cfg.draft_vocab))
     head = head_weight(target)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
@@ -406,4 +432,12 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     if bar is not None:
         bar.close()
     metrics.close()
+    if not last and step:  # a finished run again: its drafter file rewritten in this format
+        from clover.models.drafter import read_drafter_config, save_drafter
+
+        path = Path(cfg.drafter_file or out / "drafter.safetensors")
+        if path.exists():
+            drafter.config.info = read_drafter_config(path).info
+        save_drafter(drafter, path)
+        last = {"step": step, "rewritten": str(path)}
     return last
