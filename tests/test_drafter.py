@@ -551,3 +551,32 @@ def test_training_sets_the_draft_vocabulary_and_a_finished_run_rewrites_its_file
     config = read_drafter_config(path)
     assert config.draft_vocab == 64 and config.info["steps"] == 8
     assert len(load_drafter(path).vocab) == 64
+
+
+def test_cli_info_reads_a_drafter_file(tmp_path, capsys):
+    """`clover info FILE.safetensors` describes a drafter from its header; a safetensors file
+    that is no drafter or adapter is named as such."""
+    from safetensors.torch import save_file
+
+    from clover.cli import main
+
+    model = tiny_model()
+    drafter = drafter_for(model)
+    drafter.set_vocab(torch.arange(16))
+    drafter.config.info = {"steps": 7}
+    path = save_drafter(drafter, tmp_path / "d.safetensors")
+    assert main(["info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "drafter" and info["draft_vocab"] == 16 and info["trained.steps"] == 7
+    assert info["params"] == sum(p.numel() for p in drafter.parameters())
+    assert main(["info", str(path)]) == 0
+    assert "feature_layers" in capsys.readouterr().out
+    meta = {"format": "pt", "clover_adapter": json.dumps({"rank": 4, "info": {"steps": 3}})}
+    save_file({"a": torch.zeros(2, 3)}, str(tmp_path / "a.safetensors"), metadata=meta)
+    assert main(["info", str(tmp_path / "a.safetensors"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    got = (info["kind"], info["rank"], info["params"], info["trained.steps"])
+    assert got == ("adapter", 4, 6, 3)
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    assert main(["info", str(tmp_path / "w.safetensors")]) == 1
+    assert "neither a Clover drafter nor" in capsys.readouterr().err

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from clover import __version__
 from clover.checkpoints.registry import DEFAULT_MODEL
@@ -260,6 +262,18 @@ def cmd_info(a: argparse.Namespace) -> int:
     from clover.models import make_config
     from clover.quant import model_bytes
 
+    if a.model.endswith(".safetensors"):  # a drafter's or an adapter's file: its header
+        info = _file_info(Path(a.model))
+        if a.json:
+            print(json.dumps(info))
+        else:
+            width = max(len(k) for k in info)
+            for k, v in info.items():
+                text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+                if len(text) > 100:
+                    text = text[:90] + " ... (--json: all)"
+                print(f"{k:<{width}}  {text}")
+        return 0
     if a.model in PRESETS:
         from clover.models.clover import preset_config
 
@@ -311,6 +325,31 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         print(format_plan(info["plan"]))
     return 0
+
+
+def _file_info(path: Path) -> dict:
+    """What a drafter or adapter file is (read from its header, no weights loaded): its
+    config, parameter count and how it was trained."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
+                raise ValueError("no safetensors header")
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as e:
+        raise CloverError(f"cannot read {path}: {e}") from None
+    meta = header.pop("__metadata__", None) or {}
+    kind = next((k for k in ("drafter", "adapter") if f"clover_{k}" in meta), None)
+    if kind is None:
+        raise CloverError(f"{path} is neither a Clover drafter nor a Clover adapter file "
+                          "(`clover train drafter`, `clover train adapt` write those)")  # fmt: skip
+    config = json.loads(meta[f"clover_{kind}"])
+    trained = config.pop("info", {}) or {}
+    params = sum(math.prod(t["shape"]) for name, t in header.items() if name != "draft_vocab")
+    info = {"file": str(path), "kind": kind, "bytes": path.stat().st_size, "params": params}
+    info.update(config)
+    info.update({f"trained.{k}": v for k, v in trained.items()})
+    return info
 
 
 def _layer_summary(config: object) -> str:
@@ -529,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--verbose", "-v", action="store_true")
     _prefix_cache_arg(c)
     c.set_defaults(func=cmd_chat)
-    i = sub.add_parser("info", help="architecture, parameters, bytes")
+    i = sub.add_parser("info", help="architecture, parameters, bytes (or a drafter/adapter file)")
     i.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     i.add_argument("--json", action="store_true")
     i.add_argument(
