@@ -472,19 +472,19 @@ def test_draft_vocabulary_takes_the_answers_tokens_then_the_lowest_ids():
         DrafterTrainConfig(target="t", data="d", out="o", draft_vocab=100)
 
 
-@pytest.mark.parametrize("int4", [False, True])
-def test_a_draft_vocabulary_drafts_only_from_it(int4, tmp_path):
+@pytest.mark.parametrize("head", [None, "int4", "int8"])
+def test_a_draft_vocabulary_drafts_only_from_it(head, tmp_path):
     """With a draft vocabulary the drafter's logits are the whole head's for those ids (the
     quantized head's own levels, not rounded again) and -inf elsewhere; the file keeps it."""
     from clover import kernels
     from clover.decoding.drafting import DrafterRunner
     from clover.quant import quantize_model
 
-    if int4 and kernels.load() is None:
+    if head and kernels.load() is None:
         pytest.skip("no C++ compiler here")
     model = tiny_model()
-    if int4:
-        quantize_model(model, "int4", head="int4")
+    if head:
+        quantize_model(model, "int4", head=head)
     drafter = drafter_for(model)
     vocab = torch.arange(1, 64, 2)  # 32 ids
     drafter.set_vocab(vocab)
