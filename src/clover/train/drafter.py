@@ -68,6 +68,10 @@ class DrafterTrainConfig:
     # draft from this many token ids (`draft_vocabulary`), a multiple of 16; 0, or the
     # target's vocabulary size or more: from all of it. Training's loss reads all of it
     draft_vocab: int = 16384
+    # the loss over the whole vocabulary ("all"), or over the draft vocabulary only ("draft":
+    # the head's cost in a step shrinks with it; the drafter then knows nothing of the other
+    # tokens, which matters only where it runs with the whole head: a speculators export)
+    loss_vocab: str = "all"
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -82,6 +86,8 @@ class DrafterTrainConfig:
             raise CloverError("block_size must be >= 2 and decay > 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise CloverError(f"max_minutes must be > 0, got {self.max_minutes!r}")
+        if self.loss_vocab not in ("all", "draft"):
+            raise CloverError(f"loss_vocab must be all or draft, got {self.loss_vocab!r}")
         if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0 or self.draft_vocab % 16:
             raise CloverError(
                 f"draft_vocab must be 0 or a multiple of 16, not {self.draft_vocab!r}"
@@ -225,7 +231,11 @@ def head_weight(target: torch.nn.Module) -> torch.Tensor:
 
 
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
-                 cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:  # fmt: skip
+                 cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """head: the LM head's rows [n, D] the loss reads; rows: their token ids (None: the whole
+    head). Teacher tokens outside `rows` are left out of the loss (the teacher's top-k
+    renormalised over the rest); a position with none of them left weighs nothing."""
     feats, n, ids, starts, records = (batch[k] for k in ("feats", "n", "ids", "starts", "records"))
     N, S = starts.shape
     B = drafter.config.block_size
@@ -238,8 +248,15 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     valid = pos < n[:, None, None]
     weight = torch.exp(-(torch.arange(B - 1).float()) / cfg.decay)[None, None] * valid
     labels = ids.gather(1, pos.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(N, S, B - 1)
+    index = None  # token id -> row of `head` (-1: not there)
+    if rows is not None:
+        index = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+        index[rows.cpu()] = torch.arange(len(rows))
     if cfg.loss == "ce":
-        per = -logp.gather(-1, labels[..., None])[..., 0]
+        at = labels if index is None else index[labels]
+        per = -logp.gather(-1, at.clamp(min=0)[..., None])[..., 0]
+        if index is not None:
+            weight = weight * (at >= 0)
     else:  # KL(teacher top-k || drafter) at each answer position
         k = len(records[0]["topk_ids"][0])
         tid = torch.zeros(N, S, B - 1, k, dtype=torch.long)
@@ -249,11 +266,18 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
             ti, tl = torch.tensor(r["topk_ids"]), torch.tensor(r["topk_logprobs"])
             a = (pos[i] - P).clamp(0, len(r["topk_ids"]) - 1)  # answer index predicted
             tid[i], tlp[i] = ti[a], tl[a]
+        if index is not None:  # the teacher over the tokens the head has
+            tid = index[tid]
+            tlp = tlp.masked_fill(tid < 0, -1e9)
+            weight = weight * (tid >= 0).any(-1)
+            tid = tid.clamp(min=0)
         tp = tlp.log_softmax(-1)
         per = (tp.exp() * (tp - logp.gather(-1, tid))).sum(-1)
     loss = (per * weight).sum() / weight.sum().clamp(min=1)
     with torch.no_grad():
-        if drafter.vocab is None:
+        if rows is not None:
+            drafted = rows.to(logp.device)[logp.argmax(-1)]
+        elif drafter.vocab is None:
             drafted = logp.argmax(-1)
         else:  # as it will draft: from its draft vocabulary only
             vocab = drafter.vocab.to(logp.device)
@@ -268,7 +292,7 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
 
 
 def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, records: list[dict],
-             cfg: DrafterTrainConfig) -> dict:  # fmt: skip
+             cfg: DrafterTrainConfig, rows: torch.Tensor | None = None) -> dict:  # fmt: skip
     """Mean accepted draft length (greedy drafts vs the teacher's tokens) at fixed blocks."""
     if not records:
         return {}
@@ -282,7 +306,7 @@ def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, recor
             )
             starts = fixed_starts(chunk, n, cfg.blocks_per_sequence)
             batch = {"feats": feats, "n": n, "ids": ids, "starts": starts, "records": chunk}
-            _, info = drafter_loss(drafter, target, head, batch, replace(cfg, loss="ce"))
+            _, info = drafter_loss(drafter, target, head, batch, replace(cfg, loss="ce"), rows)
             runs.append(info["accepted"])
             first.append(info["top1"])
     drafter.train()
@@ -339,7 +363,10 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         overrides["feature_layers"] = list(cfg.feature_layers)
     drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
     drafter.set_vocab(draft_vocabulary(train, drafter.config.vocab_size, cfg.draft_vocab))
-    head = head_weight(target)
+    head, rows = head_weight(target), None
+    if cfg.loss_vocab == "draft" and drafter.vocab is not None:  # the head's rows it drafts from
+        rows = drafter.vocab.to(head.device)
+        head = head.index_select(0, rows).contiguous()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     step, order, elapsed = 0, [], 0.0
@@ -386,7 +413,7 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         feats, n, ids = target_features(target, chunk, layers, cfg.max_len, features)
         starts = block_starts(chunk, n, cfg.blocks_per_sequence, rng)
         batch = {"feats": feats, "n": n, "ids": ids, "starts": starts, "records": chunk}
-        loss, info = drafter_loss(drafter, target, head, batch, cfg)
+        loss, info = drafter_loss(drafter, target, head, batch, cfg, rows)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -403,8 +430,8 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
             stop_at = min(cfg.steps, until or cfg.steps)
         last = {"step": step, "lr": lr_at(step - 1, cfg), **info, "seconds": round(now, 1)}
         if step % cfg.eval_every == 0 or step == stop_at:
-            last["heldout"] = evaluate(drafter, target, head, heldout, cfg)
-            last["heldout_kinds"] = evaluate(drafter, target, head, unseen, cfg)
+            last["heldout"] = evaluate(drafter, target, head, heldout, cfg, rows)
+            last["heldout_kinds"] = evaluate(drafter, target, head, unseen, cfg, rows)
         metrics.write(json.dumps(last) + "\n")
         metrics.flush()
         if bar is not None:
