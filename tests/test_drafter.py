@@ -493,6 +493,7 @@ def test_a_draft_vocabulary_drafts_only_from_it(head, tmp_path):
     assert torch.equal(back.vocab, vocab) and back.config.draft_vocab == 32
     feats = torch.randn(1, 6, 2 * model.config.hidden_size)
     full, part = DrafterRunner(model, back), DrafterRunner(model, back)
+    assert full.head is part.head is not None  # made once per drafter and model
     full.head = None  # the whole head: the reference
     for r in (full, part):
         r.add_row()

@@ -15,6 +15,8 @@ exactness (every draft is verified).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from clover.models.drafter import Drafter
@@ -27,11 +29,15 @@ class DrafterRunner:
         self.cache = None
         self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
         if drafter.vocab is not None:
-            from clover.quant import head_rows
+            # made once per drafter and model (it reads the whole head: ~0.3 s at 49K rows;
+            # made per batch it cost every request that much)
+            made = drafter.__dict__.setdefault("_vocab_heads", weakref.WeakKeyDictionary())
+            if model not in made:
+                from clover.quant import head_rows
 
-            device = model.model.embed_tokens.weight.device
-            self.head = head_rows(model, drafter.vocab.to(device))
-            self.vocab = drafter.vocab.to(device) if self.head is not None else None
+                vocab = drafter.vocab.to(model.model.embed_tokens.weight.device)
+                made[model] = (head_rows(model, vocab), vocab)
+            self.head, self.vocab = made[model]
 
     @property
     def block_size(self) -> int:
