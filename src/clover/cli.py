@@ -267,12 +267,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         if a.json:
             print(json.dumps(info))
         else:
-            width = max(len(k) for k in info)
-            for k, v in info.items():
-                text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
-                if len(text) > 100:
-                    text = text[:90] + " ... (--json: all)"
-                print(f"{k:<{width}}  {text}")
+            _print_fields(info)
         return 0
     if a.model in PRESETS:
         from clover.models.clover import preset_config
@@ -315,11 +310,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(info))
         return 0
-    width = max(len(k) for k in info)
-    for k, v in info.items():
-        if k == "plan":
-            continue
-        print(f"{k:<{width}}  {v:,}" if isinstance(v, int) else f"{k:<{width}}  {v}")
+    _print_fields({k: v for k, v in info.items() if k != "plan"})
     if a.plan:
         from clover.plan import format_plan
 
@@ -327,15 +318,24 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _print_fields(info: dict) -> None:
+    """`clover info`'s text view: a field a line, integers with thousands separators, long
+    lists and dicts cut (--json gives them whole)."""
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+        if isinstance(v, dict | list) and len(text) > 100:
+            text = text[:90] + " ... (--json: all)"
+        print(f"{k:<{width}}  {text}")
+
+
 def _file_info(path: Path) -> dict:
     """What a drafter or adapter file is (read from its header, no weights loaded): its
     config, parameter count and how it was trained."""
+    from clover.checkpoints.hf_dir import read_header
+
     try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
-                raise ValueError("no safetensors header")
-            header = json.loads(fh.read(n))
+        header = read_header(path)
     except (OSError, ValueError) as e:
         raise CloverError(f"cannot read {path}: {e}") from None
     meta = header.pop("__metadata__", None) or {}

@@ -111,6 +111,17 @@ def read_tensor(files: Iterable[Path], name: str) -> torch.Tensor:
     raise CloverError(f"no tensor {name} in {', '.join(str(f) for f in files)}")
 
 
+def read_header(path: Path) -> dict:
+    """A safetensors file's JSON header, `__metadata__` included, without reading tensors.
+    Raises OSError, or ValueError when the file has no sound header."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
+            raise ValueError("no safetensors header")
+        return json.loads(fh.read(n))
+
+
 @contextmanager
 def _open(f: Path) -> Iterator[tuple]:
     """-> (file handle, offset of the data, header without metadata)."""

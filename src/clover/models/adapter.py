@@ -209,14 +209,11 @@ def save_adapter(model: nn.Module, path: Path, dtype: torch.dtype = torch.bfloat
 
 
 def read_adapter_config(path: Path) -> AdapterConfig:
+    from clover.checkpoints.hf_dir import read_header
+
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
-                raise ValueError("no safetensors header")
-            header = json.loads(fh.read(n))
-        d = json.loads(header["__metadata__"]["clover_adapter"])
+        d = json.loads(read_header(path)["__metadata__"]["clover_adapter"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CloverError(f"{path} is not a Clover adapter file: {e}") from None
     return AdapterConfig(**d)

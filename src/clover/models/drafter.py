@@ -12,7 +12,7 @@ target to verify causally (`self_spec` with `draft="drafter"`).
   `speculators` DFlash layout, so an export loads there as it runs here.)
 - Output: the target's LM head (frozen) on the final hidden state; block position i >= 1
   predicts the token at position p + i. A drafter may draft from a part of the vocabulary
-  (`draft_vocab`: the head's rows for those ids only, a few times cheaper; trained on all).
+  (`draft_vocab`: the head's rows for those ids only; trained on all of them by default).
 
 Decoding keeps the context K/V per drafter layer in a `ModelCache` of `KVCache`s: features of
 newly committed tokens are projected once and appended (`commit`), each draft is one block pass
@@ -72,7 +72,7 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     # drafts come from these many token ids (the `draft_vocab` tensor of the file: what the
     # training answers used most, then the lowest ids); 0: the whole vocabulary. A smaller
-    # LM head is most of a drafter pass's cost; the verify pass still reads the whole head
+    # head makes a drafter pass cheaper; the verify pass still reads the whole head
     draft_vocab: int = 0
     info: dict = field(default_factory=dict)  # provenance: data, steps, measurements
 
@@ -397,14 +397,11 @@ def save_drafter(drafter: Drafter, path: Path, dtype: torch.dtype = torch.bfloat
 
 
 def read_drafter_config(path: Path) -> DrafterConfig:
+    from clover.checkpoints.hf_dir import read_header
+
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
-                raise ValueError("no safetensors header")
-            header = json.loads(fh.read(n))
-        d = json.loads(header["__metadata__"]["clover_drafter"])
+        d = json.loads(read_header(path)["__metadata__"]["clover_drafter"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CloverError(f"{path} is not a Clover drafter file: {e}") from None
     return DrafterConfig(**d)
