@@ -217,23 +217,30 @@ def attached(model, **kw):
     return model
 
 
+def decoded(model, prompts, policy, max_new_tokens):
+    """Each prompt's result after decoding them together with `policy` ("ar": plain AR)."""
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import make_policy
+
+    results = []
+    policy = make_policy("ar") if policy == "ar" else policy
+    for _ in generate(model, prompts, policy, max_new_tokens=max_new_tokens, results=results):
+        pass
+    return results
+
+
 @pytest.mark.parametrize("draft", ["drafter", "drafter+lookup"])
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_drafter_drafts_are_lossless_batched(draft, adaptive):
     """self_spec with drafter drafts: float32 greedy answers token-identical to ar, rows of
     different lengths decoded together, each with its own draft length (adaptive: from this
     machine's pass costs and the row's acceptance; else block_size - 1)."""
-    from clover.decoding.loop import generate
-    from clover.decoding.policies import SelfSpec, make_policy
+    from clover.decoding.policies import SelfSpec
 
     model = attached(tiny_model(seed=3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
-    ar, spec = [], []
-    for _ in generate(model, prompts, make_policy("ar"), max_new_tokens=24, results=ar):
-        pass
-    policy = SelfSpec(block_size=4, draft=draft, adaptive=adaptive)
-    for _ in generate(model, prompts, policy, max_new_tokens=24, results=spec):
-        pass
+    ar = decoded(model, prompts, "ar", 24)
+    spec = decoded(model, prompts, SelfSpec(block_size=4, draft=draft, adaptive=adaptive), 24)
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     if not adaptive:  # every pass after the first verifies a drafter draft (or a lookup)
         assert any("drafter" in r.drafts for r in spec)
@@ -247,8 +254,7 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
     it (a drafter pass whose draft is thrown away costs as much as one that is verified):
     every drafter draft taken is verified, and lookup drafts still run."""
     from clover.decoding import rows
-    from clover.decoding.loop import generate
-    from clover.decoding.policies import SelfSpec, make_policy
+    from clover.decoding.policies import SelfSpec
 
     taken, verified = [0], [0]
     take, update = rows.SpecRow.take_drafts, rows.SpecRow.update
@@ -266,12 +272,9 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
     monkeypatch.setattr(rows.SpecRow, "update", counting_update)
     model = attached(tiny_model(seed=3))
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 9, 10, 9, 10]]
-    ar, spec = [], []
-    for _ in generate(model, prompts, make_policy("ar"), max_new_tokens=32, results=ar):
-        pass
+    ar = decoded(model, prompts, "ar", 32)
     policy = SelfSpec(block_size=4, draft="drafter+lookup", adaptive=False)
-    for _ in generate(model, prompts, policy, max_new_tokens=32, results=spec):
-        pass
+    spec = decoded(model, prompts, policy, 32)
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     assert all(r.drafts.get("lookup", [0])[0] > 0 for r in spec)
     assert taken[0] > 0 and taken[0] == verified[0]
@@ -283,20 +286,15 @@ def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     pay, one row drafts; three rows together do not; answers stay ar's either way."""
     from clover.decoding import loop
     from clover.decoding.costs import PassCosts
-    from clover.decoding.policies import SelfSpec, make_policy
+    from clover.decoding.policies import SelfSpec
 
     free = PassCosts({1: 10.0, 33: 10.5}, {1: 0.01, 16: 0.02})  # wide passes nearly free
     monkeypatch.setattr(loop.BatchDecoder, "_pass_costs", lambda self, drafter: free)
     model = attached(tiny_model(seed=3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     policy = SelfSpec(block_size=4, draft="drafter", adaptive=True)
-    ar, one, many = [], [], []
-    for _ in loop.generate(model, prompts, make_policy("ar"), max_new_tokens=16, results=ar):
-        pass
-    for _ in loop.generate(model, prompts[:1], policy, max_new_tokens=16, results=one):
-        pass
-    for _ in loop.generate(model, prompts, policy, max_new_tokens=16, results=many):
-        pass
+    ar = decoded(model, prompts, "ar", 16)
+    one, many = decoded(model, prompts[:1], policy, 16), decoded(model, prompts, policy, 16)
     assert one[0].tokens == ar[0].tokens and [r.tokens for r in many] == [r.tokens for r in ar]
     assert one[0].drafts.get("drafter", [0])[0] > 0
     assert all("drafter" not in r.drafts for r in many)
@@ -517,18 +515,13 @@ def test_a_draft_vocabulary_drafts_only_from_it(head, tmp_path):
 
 
 def test_draft_vocabulary_drafts_are_lossless():
-    from clover.decoding.loop import generate
-    from clover.decoding.policies import SelfSpec, make_policy
+    from clover.decoding.policies import SelfSpec
 
     model = attached(tiny_model(seed=3))
     model.drafter.set_vocab(torch.arange(0, 64, 2)[:32])
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10]]
-    ar, spec = [], []
-    for _ in generate(model, prompts, make_policy("ar"), max_new_tokens=20, results=ar):
-        pass
-    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
-    for _ in generate(model, prompts, policy, max_new_tokens=20, results=spec):
-        pass
+    ar = decoded(model, prompts, "ar", 20)
+    spec = decoded(model, prompts, SelfSpec(block_size=4, draft="drafter", adaptive=False), 20)
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     assert any("drafter" in r.drafts for r in spec)
 
