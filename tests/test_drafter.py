@@ -298,6 +298,49 @@ def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     assert one[0].tokens == ar[0].tokens and [r.tokens for r in many] == [r.tokens for r in ar]
     assert one[0].drafts.get("drafter", [0])[0] > 0
     assert all("drafter" not in r.drafts for r in many)
+    # rows that never draft never pay the drafter's context pass (their prompts, prefilled by
+    # the batch's first step, included)
+    from clover.models.drafter import Drafter
+
+    calls, commit = [0], Drafter.commit
+    monkeypatch.setattr(Drafter, "commit", lambda *a: (calls.__setitem__(0, calls[0] + 1),
+                                                       commit(*a))[1])  # fmt: skip
+    assert [r.tokens for r in decoded(model, prompts, policy, 16)] == [r.tokens for r in ar]
+    assert calls[0] == 0
+
+
+def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
+    """The drafter's context is committed lazily: a row's features wait until it drafts (or
+    until BACKLOG tokens wait), and its drafts then equal those of a runner that committed
+    at every step."""
+    from clover.decoding.drafting import DrafterRunner
+
+    model = tiny_model()
+    drafter = drafter_for(model)
+    F = 2 * model.config.hidden_size
+    torch.manual_seed(0)
+    steps = [(torch.randn(2, 5, F), torch.tensor(c)) for c in ([3, 5], [0, 2], [5, 1])]
+    eager, lazy = DrafterRunner(model, drafter), DrafterRunner(model, drafter)
+    for r in (eager, lazy):
+        r.add_row()
+        r.add_row()
+    for i, (feats, counts) in enumerate(steps):
+        eager.commit(feats, counts)
+        lazy.commit(feats, counts, [False, i == 2])
+    assert eager.cache.lengths.tolist() == [8, 8] and lazy.cache.lengths.tolist() == [0, 8]
+    lazy.commit(torch.zeros(2, 1, F), torch.tensor([0, 0]), [True, False])
+    assert lazy.cache.lengths.tolist() == [8, 8]
+    first = torch.tensor([5, 9])
+    torch.testing.assert_close(lazy.draft(first, 4), eager.draft(first, 4))
+    # a long backlog is committed without waiting for a draft
+    monkeypatch.setattr(DrafterRunner, "BACKLOG", 4)
+    capped = DrafterRunner(model, drafter)
+    capped.add_row()
+    capped.add_row()
+    capped.commit(*steps[0], [False, False])
+    assert capped.cache.lengths.tolist() == [0, 5]
+    capped.select([1])
+    assert capped.cache.lengths.tolist() == [5] and capped.backlog == [[]]
 
 
 def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache():

@@ -4,7 +4,8 @@ committed, and it drafts the next block for every row that asked.
 
 Per step, after the target's verify pass (which computed the features anyway: the drafter
 costs no extra target pass): `commit` appends the features of each row's tokens that stayed
-committed (certain tokens + accepted drafts), then `draft` runs one drafter pass over a block
+committed (certain tokens + accepted drafts) to the rows that draft next (the others keep them
+until they do), then `draft` runs one drafter pass over a block
 [the new certain token, MASK x (w - 1)] for the rows that want a draft and returns each row's
 draft logits (from the LM head's rows of the drafter's draft vocabulary only, if it has
 one: the rest are -inf). A row whose prompt prefix came from the prefix cache has no features
@@ -23,10 +24,13 @@ from clover.models.drafter import Drafter
 
 
 class DrafterRunner:
+    BACKLOG = 256  # tokens whose features may wait for a row's next draft
+
     def __init__(self, model: torch.nn.Module, drafter: Drafter) -> None:
         self.model, self.drafter = model, drafter
         self.layers = tuple(drafter.config.feature_layers)
         self.cache = None
+        self.backlog: list[list[torch.Tensor]] = []  # per row: features not yet committed
         self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
         if drafter.vocab is not None:
             # made once per drafter and model (it reads the whole head: 0.22-0.25 s measured
@@ -48,21 +52,39 @@ class DrafterRunner:
         empty one."""
         cache = cache if cache is not None else self.drafter.make_cache(1)
         self.cache = cache if self.cache is None else self.cache.extend(cache)
+        self.backlog.append([])
 
     def select(self, keep: list[int]) -> None:
         if not keep:
             self.cache = None
         else:
             self.cache.select(keep)
+        self.backlog = [self.backlog[k] for k in keep]
 
-    def commit(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+    def commit(self, features: torch.Tensor, counts: torch.Tensor,
+               now: list[bool] | None = None) -> None:  # fmt: skip
         """features [B, T, k * D] of a pass over every row; counts [B]: how many of each
-        row's first tokens stay committed (0 for rows that committed nothing)."""
-        if self.cache is None or int(counts.max()) == 0:
+        row's first tokens stay committed (0 for rows that committed nothing). `now`: the rows
+        that draft next (None: all). The others' features wait in their backlog until they
+        draft, or until it holds BACKLOG tokens: a batch whose rows do not draft (adaptive
+        rows draft only while alone) skips the drafter's context pass."""
+        if self.cache is None:
             return
-        T = int(counts.max())
+        for b, c in enumerate(counts.tolist()):
+            if c:  # copied: a view would keep the whole pass's features alive
+                self.backlog[b].append(features[b, :c].clone())
+        sizes = [sum(len(f) for f in chunks) for chunks in self.backlog]
+        due = [n > 0 and (now is None or now[b] or n >= self.BACKLOG) for b, n in enumerate(sizes)]
+        if not any(due):
+            return
+        n = torch.tensor([s if d else 0 for s, d in zip(sizes, due)])
+        feats = features.new_zeros(len(sizes), int(n.max()), features.shape[-1])
+        for b, d in enumerate(due):
+            if d:
+                feats[b, : sizes[b]] = torch.cat(self.backlog[b])
+                self.backlog[b] = []
         with torch.inference_mode():
-            self.drafter.commit(features[:, :T], counts.to(torch.long), self.cache)
+            self.drafter.commit(feats, n, self.cache)
 
     def draft(self, first: torch.Tensor, width: int) -> torch.Tensor:
         """first [B] (each row's new certain token) -> draft logits [B, width - 1, V]: for

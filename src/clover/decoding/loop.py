@@ -390,13 +390,14 @@ class BatchDecoder:
         drafts the next block for the rows that stay and want one (one pass for all)."""
         drafting = [isinstance(r, SpecRow) and r.uses_drafter for r in self.active]
         kept = torch.where(torch.tensor(drafting), kept, 0)
-        self.drafting.commit(features, kept)
         # in a batch every row's pass is padded to the widest: a row whose draft lengths follow
         # the measured costs drafts only while it runs alone (measured at batch 8 here: drafter
         # drafts widened every row's pass and cost 0.72x `ar`); fixed-length rows always draft
         alone = len(keep) == 1
         lengths = [r.drafter_length() if d and k in keep and (alone or r.costs is None) else 0
                    for k, (r, d) in enumerate(zip(self.active, drafting))]  # fmt: skip
+        # only the rows that draft now take their features into the drafter's context
+        self.drafting.commit(features, kept, [n > 0 for n in lengths])
         if max(lengths) == 0:
             return
         first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
