@@ -231,7 +231,7 @@ def test_8bit_parts_of_other_groups_stay_apart(apart):
 
 
 @pytest.mark.parametrize("isa", available_isas())
-@pytest.mark.parametrize("dh", [64, 32, 24])  # 24: not a multiple of 16, the portable loops
+@pytest.mark.parametrize("dh", [64, 32, 24, 20])  # AVX-512 takes multiples of 16, AVX2 of 8
 def test_attention_matches_softmax_reference(isa, dh, monkeypatch):
     """Queries 4 at a time over one cache (keys and values read once for all), each with its
     own visible length, against softmax(q K^T / sqrt(dh)) V in float64."""

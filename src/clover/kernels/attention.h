@@ -28,15 +28,16 @@ inline float exp_approx(float x) {
 }
 
 // out [Dh] = softmax(q . K[:end]^T * scale) V[:end]; scores: scratch of >= end floats.
-// avx512: the CPU has AVX-512 F/DQ (used when Dh is a multiple of 16).
+// isa: the kernels' instruction set (kernels/__init__.py): >= 2 AVX-512 F/DQ (used when Dh is
+// a multiple of 16), 1 AVX2 + FMA (Dh a multiple of 8), 0 portable loops.
 void attend_query(const float* q, const float* K, const float* V, int64_t end, int64_t Dh,
-                  float scale, float* scores, float* out, bool avx512);
+                  float scale, float* scores, float* out, int isa);
 
 // The same for n <= 4 queries of one head (tokens of one pass), query i over keys
-// [0, ends[i]); scores: scratch of n x `stride` (>= every end) floats. With AVX-512 the key and
-// value rows are read once for all n queries.
+// [0, ends[i]); scores: scratch of n x `stride` (>= every end) floats. With AVX-512 or AVX2
+// the key and value rows are read once for all n queries.
 void attend_queries(const float* const* q, const int64_t* ends, int n, const float* K,
                     const float* V, int64_t Dh, float scale, float* scores, int64_t stride,
-                    float* const* out, bool avx512);
+                    float* const* out, int isa);
 
 }  // namespace clover

@@ -278,7 +278,8 @@ class FusedLayer {
           o[j] = out + (m * hq_ + h) * dh_;
           ends[j] = lay.end(b, t0 + j);
         }
-        attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o, isa_ >= 2);
+        attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o,
+                       static_cast<int>(isa_));
       }
     });
   }
@@ -351,7 +352,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& K, const at::Tensor&
       op[j] = out.data_ptr<float>() + (i0 + j) * Dh;
     }
     attend_queries(qp, ec.data_ptr<int64_t>() + i0, c, kc.data_ptr<float>(), vc.data_ptr<float>(),
-                   Dh, 1.0f / std::sqrt(static_cast<float>(Dh)), scores.data(), S, op, isa >= 2);
+                   Dh, 1.0f / std::sqrt(static_cast<float>(Dh)), scores.data(), S, op,
+                   static_cast<int>(isa));
   }
   return out;
 }

@@ -223,11 +223,18 @@ def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
 
 
 def head_weight(target: torch.nn.Module) -> torch.Tensor:
-    """The target's LM head [V, D] as bfloat16 (dequantized if it was quantized)."""
+    """The target's LM head [V, D] (dequantized if it was quantized), in bfloat16 where the
+    device multiplies it fast, else float32: a CPU without bf16 instructions ran PyTorch's
+    bfloat16 matmul at ~0.8 GFLOP/s (a 2-core AVX2 EPYC; float32: ~134)."""
+    from clover.checkpoints.loader import cpu_has_bf16
+
     head = getattr(target, "quantized_head", None)
     if head is not None and hasattr(head, "dequantized_weight"):
-        return head.dequantized_weight().to(torch.bfloat16)
-    return target.head_weight().detach().to(torch.bfloat16)
+        weight = head.dequantized_weight()
+    else:
+        weight = target.head_weight().detach()
+    fast = weight.device.type != "cpu" or cpu_has_bf16()
+    return weight.to(torch.bfloat16 if fast else torch.float32)
 
 
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
@@ -241,7 +248,7 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     B = drafter.config.block_size
     first = ids.gather(1, starts)
     h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens)  # [N,S,B,D]
-    # the head in bfloat16 (float32 accumulation): ~2.7x PyTorch's float32 matmul on this CPU,
+    # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
     # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
     logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
     pos = starts[..., None] + torch.arange(1, B)  # [N, S, B-1] positions predicted
