@@ -54,6 +54,12 @@ def test_costs_measured_once_and_cached(tmp_path, monkeypatch):
     again = cached_costs(model, "float32")  # read back, not measured again
     assert again.verify_ms == {1: 1.0, 2: 2.0}
     assert cached_costs(model, "int4").verify_ms != again.verify_ms  # another key
+    # other kernels (a new build of their sources): measured again
+    from clover import kernels
+
+    if kernels.load() is not None:
+        monkeypatch.setattr(kernels.load(), "__name__", "clover_kernels_other")
+        assert cached_costs(model, "float32").verify_ms != again.verify_ms
 
 
 def test_lookup_drafts_grow_with_a_long_match():

@@ -135,12 +135,15 @@ def costs_key(model: torch.nn.Module, label: str) -> str:
     from clover.models.drafter import fingerprint
 
     weight = next(model.parameters())
+    module = kernels.load()
     try:
-        isa = kernels.isa() if kernels.load() is not None else -1
+        isa = kernels.isa() if module is not None else -1
     except (RuntimeError, ValueError):
         isa = -1
+    # the kernels' build (named by a hash of their sources): new kernels, new costs
+    build = getattr(module, "__name__", "none")
     parts = [fingerprint(model), label, str(weight.device), str(torch.get_num_threads()),
-             torch.__version__, str(isa)]  # fmt: skip
+             torch.__version__, str(isa), build]  # fmt: skip
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

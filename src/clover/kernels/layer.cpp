@@ -258,7 +258,8 @@ class FusedLayer {
   // query at a time, while 4 and 8 tokens gained nothing (`clover bench passes`)
   void attend_loop(const float* qkv, const float* kc, const float* vc, int64_t cap,
                    const Layout& lay, float* out) const {
-    const int64_t T = lay.T, Nq = nqkv_, group = hq_ / hkv_, per = T >= 16 ? 4 : 1;
+    const int64_t T = lay.T, Nq = nqkv_, group = hq_ / hkv_;
+    const int64_t per = T >= 16 || (isa_ == 1 && T >= 2) ? 4 : 1;
     const int64_t chunks = (T + per - 1) / per;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh_));
     at::parallel_for(0, lay.B * hq_ * chunks, 1, [&](int64_t i0, int64_t i1) {

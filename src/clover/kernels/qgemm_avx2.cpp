@@ -119,11 +119,32 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           __m256 acc[2][4], w[4];
           for (int r = 0; r < 2; ++r)
             for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_setzero_ps();
-          for (int p = 0; p < P; ++p) {
-            unpack_pair<BITS>(base, p, w);
-            for (int r = 0; r < mc; ++r) {
-              const __m256 bx = pair_f32(xf + r * 2 * P + 2 * p);
-              for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_fmadd_ps(w[h], bx, acc[r][h]);
+          if (BITS == 4) {  // a chunk's words widened once for its 4 pairs (nibble j: pair 4c + j)
+            const __m256i low4 = _mm256_set1_epi32(15);
+            for (int c = 0; c < P / 4; ++c) {
+              __m256i d[4];
+              for (int h = 0; h < 4; ++h)
+                d[h] = _mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 64 * c + 16 * h)));
+              for (int j = 0; j < 4; ++j) {
+                const int p = 4 * c + j;
+                const __m256 b0 = pair_f32(xf + 2 * p);
+                const __m256 b1 = pair_f32(xf + (mc == 2 ? 2 * P : 0) + 2 * p);
+                for (int h = 0; h < 4; ++h) {
+                  const __m256 wv = _mm256_cvtepi32_ps(_mm256_and_si256(d[h], low4));
+                  d[h] = _mm256_srli_epi32(d[h], 4);
+                  acc[0][h] = _mm256_fmadd_ps(wv, b0, acc[0][h]);
+                  if (mc == 2) acc[1][h] = _mm256_fmadd_ps(wv, b1, acc[1][h]);
+                }
+              }
+            }
+          } else {
+            for (int p = 0; p < P; ++p) {
+              unpack_pair<BITS>(base, p, w);
+              for (int r = 0; r < mc; ++r) {
+                const __m256 bx = pair_f32(xf + r * 2 * P + 2 * p);
+                for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_fmadd_ps(w[h], bx, acc[r][h]);
+              }
             }
           }
           for (int r = 0; r < mc; ++r)
@@ -132,7 +153,17 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
         }
         // wider passes: unpack the group once (it was once per two rows), then two rows at a
         // time read it from L1
-        for (int p = 0; p < P; ++p) unpack_pair<BITS>(base, p, wb[p]);
+        if (BITS == 4) {  // as above: each chunk's words widened once for its 4 pairs
+          for (int c = 0; c < P / 4; ++c)
+            for (int h = 0; h < 4; ++h) {
+              __m256i d = _mm256_cvtepu16_epi32(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 64 * c + 16 * h)));
+              for (int j = 0; j < 4; ++j, d = _mm256_srli_epi32(d, 4))
+                wb[4 * c + j][h] = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));
+            }
+        } else {
+          for (int p = 0; p < P; ++p) unpack_pair<BITS>(base, p, wb[p]);
+        }
         for (int64_t r0 = 0; r0 < mc; r0 += 2) {
           const int mb = mc - r0 >= 2 ? 2 : 1;
           const float* x0 = xf + r0 * 2 * P;
