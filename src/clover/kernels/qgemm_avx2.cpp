@@ -2,7 +2,7 @@
 // dot instruction here: levels are widened to float32 and multiplied with FMA. Lanes hold
 // (row, k parity) pairs, so the packed layout of qgemm.h is read as it is; the two parities
 // of a row are added once at the end. Unpacking the levels costs more instructions than the
-// FMAs that use them, so a pass of 3 rows or more unpacks each group of a tile once into L1
+// FMAs that use them, so a pass of 2 rows or more unpacks each group of a tile once into L1
 // and every row reads it from there (unpacked per two rows, a pass of 8 rows cost ~3.7x one
 // row on a 2-core AVX2 EPYC).
 #if defined(__x86_64__) || defined(_M_X64)
@@ -115,10 +115,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           }
         }
         const float* xsum = LOW ? a.xsum + m0 * G + g : nullptr;
-        if (mc <= 2) {  // decode: unpack into registers, used by one or two rows
-          __m256 acc[2][4], w[4];
-          for (int r = 0; r < 2; ++r)
-            for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_setzero_ps();
+        if (mc == 1) {  // decode: unpack into registers, used by the one row
+          __m256 acc[4], w[4];
+          for (int h = 0; h < 4; ++h) acc[h] = _mm256_setzero_ps();
           if (BITS == 4) {  // a chunk's words widened once for its 4 pairs (nibble j: pair 4c + j)
             const __m256i low4 = _mm256_set1_epi32(15);
             for (int c = 0; c < P / 4; ++c) {
@@ -127,32 +126,26 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
                 d[h] = _mm256_cvtepu16_epi32(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 64 * c + 16 * h)));
               for (int j = 0; j < 4; ++j) {
-                const int p = 4 * c + j;
-                const __m256 b0 = pair_f32(xf + 2 * p);
-                const __m256 b1 = pair_f32(xf + (mc == 2 ? 2 * P : 0) + 2 * p);
+                const __m256 bx = pair_f32(xf + 2 * (4 * c + j));
                 for (int h = 0; h < 4; ++h) {
                   const __m256 wv = _mm256_cvtepi32_ps(_mm256_and_si256(d[h], low4));
                   d[h] = _mm256_srli_epi32(d[h], 4);
-                  acc[0][h] = _mm256_fmadd_ps(wv, b0, acc[0][h]);
-                  if (mc == 2) acc[1][h] = _mm256_fmadd_ps(wv, b1, acc[1][h]);
+                  acc[h] = _mm256_fmadd_ps(wv, bx, acc[h]);
                 }
               }
             }
           } else {
             for (int p = 0; p < P; ++p) {
               unpack_pair<BITS>(base, p, w);
-              for (int r = 0; r < mc; ++r) {
-                const __m256 bx = pair_f32(xf + r * 2 * P + 2 * p);
-                for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_fmadd_ps(w[h], bx, acc[r][h]);
-              }
+              const __m256 bx = pair_f32(xf + 2 * p);
+              for (int h = 0; h < 4; ++h) acc[h] = _mm256_fmadd_ps(w[h], bx, acc[h]);
             }
           }
-          for (int r = 0; r < mc; ++r)
-            add_group<LOW>(y + 32 * r, acc[r], s, l, LOW ? xsum[r * G] : 0.f);
+          add_group<LOW>(y, acc, s, l, LOW ? xsum[0] : 0.f);
           continue;
         }
         // wider passes: unpack the group once (it was once per two rows), then two rows at a
-        // time read it from L1
+        // time read it from L1 (three at a time, or a branch for a last odd row, measured slower) (for two rows too: unpacked into registers, they cost 2x one)
         if (BITS == 4) {  // as above: each chunk's words widened once for its 4 pairs
           for (int c = 0; c < P / 4; ++c)
             for (int h = 0; h < 4; ++h) {
@@ -167,7 +160,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
         for (int64_t r0 = 0; r0 < mc; r0 += 2) {
           const int mb = mc - r0 >= 2 ? 2 : 1;
           const float* x0 = xf + r0 * 2 * P;
-          const float* x1 = mb == 2 ? x0 + 2 * P : x0;
+          const float* x1 = mb == 2 ? x0 + 2 * P : x0;  // a last odd row: twice, kept once
           __m256 acc[2][4];
           for (int r = 0; r < 2; ++r)
             for (int h = 0; h < 4; ++h) acc[r][h] = _mm256_setzero_ps();
