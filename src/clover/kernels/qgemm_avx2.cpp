@@ -144,8 +144,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           add_group<LOW>(y, acc, s, l, LOW ? xsum[0] : 0.f);
           continue;
         }
-        // wider passes: unpack the group once (it was once per two rows), then two rows at a
-        // time read it from L1 (three at a time, or a branch for a last odd row, measured slower) (for two rows too: unpacked into registers, they cost 2x one)
+        // two rows or more (through registers, two rows cost 2x one): unpack the group once
+        // (it was once per two rows), then two rows at a time read it from L1 (three at a time,
+        // or a branch for a last odd row, measured slower)
         if (BITS == 4) {  // as above: each chunk's words widened once for its 4 pairs
           for (int c = 0; c < P / 4; ++c)
             for (int h = 0; h < 4; ++h) {
