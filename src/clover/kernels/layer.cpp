@@ -255,7 +255,9 @@ class FusedLayer {
   // queries of the pass (rows of qkv) over the cache. From 16 tokens on, a task is 4
   // consecutive tokens of one (row, head), which read each cached key and value once
   // (attend_queries): a 33-token block over 2,000 cached tokens took 0.72x the time of one
-  // query at a time, while 4 and 8 tokens gained nothing (`clover bench passes`)
+  // query at a time, while 4 and 8 tokens gained nothing (`clover bench passes`, AVX-512).
+  // On AVX2 from 2 tokens on: verify 4 and 8 over 2,000 cached tokens took 17 and 35 ms of
+  // attention instead of 23 and 45 (a 2-core EPYC)
   void attend_loop(const float* qkv, const float* kc, const float* vc, int64_t cap,
                    const Layout& lay, float* out) const {
     const int64_t T = lay.T, Nq = nqkv_, group = hq_ / hkv_;
