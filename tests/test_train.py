@@ -149,3 +149,16 @@ def test_time_box_shortens_the_schedule_and_writes_the_adapter(
     assert len(rows) == out["steps"] and "heldout" in json.loads(rows[-1])
     with pytest.raises(CloverError, match="max_minutes"):
         config(tiny_checkpoint, data, tmp_path, max_minutes=0)
+
+
+def test_bf16_autocast_only_where_the_cpu_has_bf16(monkeypatch, capsys):
+    from clover.checkpoints import loader
+    from clover.train.adapt import bf16_where_fast
+
+    cfg = TrainConfig(base="b", data="d", out="o", autocast_bf16=True)
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
+    assert not bf16_where_fast(cfg, torch.device("cpu")).autocast_bf16
+    assert "no bf16 instructions" in capsys.readouterr().err
+    assert bf16_where_fast(cfg, torch.device("meta")).autocast_bf16  # not a CPU: as asked
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert bf16_where_fast(cfg, torch.device("cpu")).autocast_bf16
