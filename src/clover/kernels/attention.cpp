@@ -243,7 +243,7 @@ AVX2 __m256 exp256(__m256 x) {  // exp_approx, 8 lanes
 AVX2 __m256 reduce8(const __m256* a) {
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  // hi: [a0..a3 over their low halves | over their high halves]; fold the halves
+  // h0: [a0..a3 each summed over its low half | over its high half] (h1: a4..a7); fold
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 

@@ -95,7 +95,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
   alignas(32) float y[kRowChunk * 32];  // (row, parity) lanes
   alignas(32) float xf[kRowChunk * 2 * P];  // the group's x of the chunk's rows, float32
-  __m256 wb[P][4];  // one group of a tile unpacked, for passes of 3 rows or more
+  __m256 wb[P][4];  // one group of a tile unpacked, for passes of 2 rows or more
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m0 = 0; m0 < a.M; m0 += kRowChunk) {
       const int64_t mc = std::min(kRowChunk, a.M - m0);

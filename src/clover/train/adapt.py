@@ -403,11 +403,10 @@ def train(
 
 
 def bf16_where_fast(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """cfg without bfloat16 autocast on a CPU that has no bf16 instructions: PyTorch's
-    bfloat16 matmul ran at ~0.8 GFLOP/s on such a CPU (a 2-core AVX2 EPYC; float32: ~140)."""
-    from clover.checkpoints.loader import cpu_has_bf16
+    """cfg without bfloat16 autocast where bfloat16 matmuls are slow (`bf16_fast`)."""
+    from clover.checkpoints import loader
 
-    if cfg.autocast_bf16 and device.type == "cpu" and not cpu_has_bf16():
+    if cfg.autocast_bf16 and not loader.bf16_fast(device):
         print("clover: this CPU has no bf16 instructions: training in float32 "
               "(autocast_bf16 off)", file=sys.stderr)  # fmt: skip
         return replace(cfg, autocast_bf16=False)

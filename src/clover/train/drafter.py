@@ -224,17 +224,15 @@ def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
 
 def head_weight(target: torch.nn.Module) -> torch.Tensor:
     """The target's LM head [V, D] (dequantized if it was quantized), in bfloat16 where the
-    device multiplies it fast, else float32: a CPU without bf16 instructions ran PyTorch's
-    bfloat16 matmul at ~0.8 GFLOP/s (a 2-core AVX2 EPYC; float32: ~134)."""
-    from clover.checkpoints.loader import cpu_has_bf16
+    device multiplies it fast (`bf16_fast`), else float32."""
+    from clover.checkpoints.loader import bf16_fast
 
     head = getattr(target, "quantized_head", None)
     if head is not None and hasattr(head, "dequantized_weight"):
         weight = head.dequantized_weight()
     else:
         weight = target.head_weight().detach()
-    fast = weight.device.type != "cpu" or cpu_has_bf16()
-    return weight.to(torch.bfloat16 if fast else torch.float32)
+    return weight.to(torch.bfloat16 if bf16_fast(weight.device) else torch.float32)
 
 
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
