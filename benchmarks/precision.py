@@ -1,24 +1,30 @@
 """Precision side by side on one model: speed and quality of float32 / bfloat16 / int8 / int4.
 
-Usage: python benchmarks/precision.py [--model smollm2-135m] [--tokens 64]
+Usage: python benchmarks/precision.py [--model smollm2-135m] [--tokens 64] [--dtypes ...]
 Quality against float32 on the same weights: next-token KL and top-1 agreement, teacher-forced
-over the float32 model's own answers (so every precision scores the same text), and how many
-greedy answers are token-identical to float32's. Speed: AR greedy output tokens/s at batch 1,
-precisions interleaved prompt by prompt. Writes benchmarks/results/precision-<model>.json.
+over the float32 model's own answers (so every precision scores the same text), both in one
+pass over the answer and one token a pass (what AR decoding runs: on CPUs with integer dots,
+passes of 1 to 4 rows round x to int8), and how many greedy answers are token-identical to
+float32's. Where the CPU has integer dots, int4 also runs with them off (`int4-bf16x`,
+`$CLOVER_INT8_DOTS=0`). Speed: AR greedy output tokens/s at batch 1, precisions interleaved
+prompt by prompt. Writes benchmarks/results/precision-<model>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
+from clover import kernels
 from clover.engine import LLM, GenerationSettings
 
 PROMPTS = [
@@ -28,6 +34,33 @@ PROMPTS = [
     "What are the benefits of regular exercise?",
 ]
 DTYPES = ("float32", "bfloat16", "int8", "int4")
+
+
+@contextlib.contextmanager
+def dots(variant: str) -> Iterator[None]:
+    """$CLOVER_INT8_DOTS for a variant: off for `*-bf16x`, as it was otherwise (read at load
+    for the fused layers and at each call for the head)."""
+    old = os.environ.get("CLOVER_INT8_DOTS")
+    if variant.endswith("-bf16x"):
+        os.environ["CLOVER_INT8_DOTS"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CLOVER_INT8_DOTS", None)
+        else:
+            os.environ["CLOVER_INT8_DOTS"] = old
+
+
+def stepwise_logp(llm: LLM, seq: torch.Tensor, start: int) -> torch.Tensor:
+    """log-probs [T - 1 - start, V] of positions start..T-2, the prompt in one pass and then
+    one token a pass over the cache, as AR decoding runs them."""
+    model = llm.model
+    cache = model.make_cache(1)
+    out = [model.logits(model(seq[:, : start + 1], cache, "causal"))[0, -1:]]
+    for t in range(start + 1, seq.shape[1] - 1):
+        out.append(model.logits(model(seq[:, t : t + 1], cache, "causal"))[0, -1:])
+    return torch.cat(out).float().log_softmax(-1)
 
 
 def answer(llm: LLM, ids: list[int], n: int) -> tuple[list[int], float]:
@@ -42,28 +75,44 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="float32 is always run")
     args = ap.parse_args()
-    llms = {d: LLM(args.model, dtype=d, progress=False) for d in DTYPES}
+    dtypes = ["float32"] + [d for d in args.dtypes.split(",") if d and d != "float32"]
+    for d in dtypes:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
+    module = kernels.load()
+    if "int4" in dtypes and module is not None and module.int8_dots_supported():
+        dtypes.append("int4-bf16x")
+    llms = {}
+    for d in dtypes:
+        with dots(d):
+            llms[d] = LLM(args.model, dtype=d.removesuffix("-bf16x"), progress=False)
     prompts = [llms["float32"].chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
-    speed: dict[str, list[float]] = {d: [] for d in DTYPES}
-    exact = dict.fromkeys(DTYPES, 0)
-    kl: dict[str, list[float]] = {d: [] for d in DTYPES}
-    top1: dict[str, list[float]] = {d: [] for d in DTYPES}
+    speed: dict[str, list[float]] = {d: [] for d in dtypes}
+    exact = dict.fromkeys(dtypes, 0)
+    kl: dict[str, list[float]] = {d: [] for d in dtypes}
+    top1: dict[str, list[float]] = {d: [] for d in dtypes}
+    step_kl: dict[str, list[float]] = {d: [] for d in dtypes}
+    step_top1: dict[str, list[float]] = {d: [] for d in dtypes}
     for ids in prompts:
         reference, _ = answer(llms["float32"], ids, args.tokens)
         seq = torch.tensor([ids + reference])
         with torch.inference_mode():
             ref_logp = llms["float32"].model.logits(llms["float32"].model(seq)).log_softmax(-1)
+        span = slice(len(ids) - 1, seq.shape[1] - 1)  # positions predicting the answer
+        p_ref = ref_logp[0, span].float()
         for d, llm in llms.items():
-            got, tps = answer(llm, ids, args.tokens)
+            with dots(d):
+                got, tps = answer(llm, ids, args.tokens)
+                with torch.inference_mode():
+                    logp = llm.model.logits(llm.model(seq)).float().log_softmax(-1)[0, span]
+                    steps = stepwise_logp(llm, seq, len(ids) - 1)
             speed[d].append(tps)
             exact[d] += got == reference
-            with torch.inference_mode():
-                logp = llm.model.logits(llm.model(seq)).log_softmax(-1)
-            span = slice(len(ids) - 1, seq.shape[1] - 1)  # positions predicting the answer
-            p_ref = ref_logp[0, span]
-            kl[d].append(float((p_ref.exp() * (p_ref - logp[0, span])).sum(-1).mean()))
-            top1[d].append(float((p_ref.argmax(-1) == logp[0, span].argmax(-1)).float().mean()))
+            for lp, kls, tops in ((logp, kl[d], top1[d]), (steps, step_kl[d], step_top1[d])):
+                kls.append(float((p_ref.exp() * (p_ref - lp)).sum(-1).mean()))
+                tops.append(float((p_ref.argmax(-1) == lp.argmax(-1)).float().mean()))
     base = statistics.median(speed["float32"])
     results = {
         d: {
@@ -71,9 +120,11 @@ def main() -> None:
             "speed_vs_float32": round(statistics.median(speed[d]) / base, 2),
             "mean_kl_vs_float32": round(statistics.mean(kl[d]), 5),
             "top1_agreement": round(statistics.mean(top1[d]), 4),
+            "one_token_a_pass_kl_vs_float32": round(statistics.mean(step_kl[d]), 5),
+            "one_token_a_pass_top1_agreement": round(statistics.mean(step_top1[d]), 4),
             "greedy_answers_identical": f"{exact[d]}/{len(prompts)}",
         }
-        for d in DTYPES
+        for d in dtypes
     }
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -81,9 +132,12 @@ def main() -> None:
         "model": args.model,
         "max_tokens": args.tokens,
         "results": results,
-        "command": f"python benchmarks/precision.py --model {args.model} --tokens {args.tokens}",
+        "kernel_path": kernels.isa() if module is not None else None,
+        "command": f"python benchmarks/precision.py --model {args.model} --tokens {args.tokens}"
+        f" --dtypes {args.dtypes}",
     }
-    out = Path(__file__).parent / "results" / f"precision-{args.model}.json"
+    suffix = "" if args.dtypes == ",".join(DTYPES) else "-" + args.dtypes.replace(",", "-")
+    out = Path(__file__).parent / "results" / f"precision-{args.model}{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -8,7 +8,7 @@ import torch
 
 from clover import kernels
 from clover.errors import CloverError
-from clover.kernels.qgemm import QWeight, pack_scales, reference_matmul
+from clover.kernels.qgemm import QWeight, pack_scales, reference_int8_matmul, reference_matmul
 from clover.models.llama import LlamaConfig, LlamaModel
 from clover.quant import Int4Linear, Int4Part, Int8Linear, project, quantize_model
 
@@ -41,6 +41,7 @@ def random_weight(kind: str, N: int, K: int, f16: bool, seed: int = 0) -> QWeigh
 @pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
 def test_qgemm_matches_reference(isa, kind, monkeypatch):
     monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "0")  # bfloat16 x at every width (next test: int8)
     N, K = 48, 96
     for f16 in (True, False):
         w = random_weight(kind, N, K, f16)
@@ -57,6 +58,64 @@ def test_qgemm_matches_reference(isa, kind, monkeypatch):
             half = w.matmul(x.to(torch.bfloat16), bias)  # bfloat16 in and out
             assert half.dtype == torch.bfloat16
             torch.testing.assert_close(half.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+
+
+def int8_dots_here() -> bool:
+    return bool(kernels.load().int8_dots_supported())
+
+
+@pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
+def test_int8_dots_match_their_reference(kind, monkeypatch):
+    """Passes of 1 to 4 rows on the integer-dot path equal x rounded to int8 per group times
+    the levels, exactly summed (reference_int8_matmul), every format and scale type; wider
+    passes keep bfloat16 x. The rounding of x costs little next to bfloat16's."""
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    assert kernels.isa() & kernels.INT8_DOTS
+    N, K = 48, 96
+    for f16 in (True, False):
+        w = random_weight(kind, N, K, f16)
+        bias = torch.randn(N)
+        for M in (1, 2, 3, 4, 5):
+            x = torch.randn(M, K)
+            x[0, :32] = 0  # a group of zeros: step 0, no division by it
+            x[-1, 40] = 30.0  # one large value sets its group's step
+            exact = reference_matmul(x, w, bias)
+            want = reference_int8_matmul(x, w, bias) if M <= 4 else exact
+            out = w.matmul(x, bias, out_bf16=False).double()
+            tol = 1e-5 * float((x.abs() @ w.dequantized().abs().t()).max() + 1)
+            assert (out - want).abs().max() < tol, (kind, f16, M)
+            if M <= 4:  # int8 x: within a step per group of the bfloat16-x result
+                assert not torch.equal(want, exact)
+                bound = float((x.abs().reshape(M, -1, w.group).amax(-1) / 127).max())
+                assert (out - exact).abs().max() < bound * float(w.dequantized().abs().sum(1).max())
+            half = w.matmul(x.to(torch.bfloat16), bias)  # bfloat16 out
+            torch.testing.assert_close(half.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+
+
+@pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")
+def test_int8_dots_give_each_row_the_same_result_in_any_pass(monkeypatch):
+    """Integer dots are exact, so a row's output does not depend on the rows beside it: an AR
+    step and each row of a verify pass of up to 4 agree to the bit (bfloat16 x on AMX sums
+    in another order for 3 rows or more)."""
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    for kind in ("int4", "int5", "int8g16"):
+        w = random_weight(kind, 64, 128, True)
+        x = torch.randn(4, 128)
+        alone = torch.cat([w.matmul(x[i : i + 1], out_bf16=False) for i in range(4)])
+        for M in (2, 3, 4):
+            assert torch.equal(w.matmul(x[:M], out_bf16=False), alone[:M]), (kind, M)
+
+
+def test_int8_dots_switch(monkeypatch):
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "0")
+    assert not kernels.isa() & kernels.INT8_DOTS
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "yes")
+    with pytest.raises(ValueError, match="CLOVER_INT8_DOTS"):
+        kernels.isa()
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx2")  # below AVX-512: never
+    assert kernels.isa() == min(1, kernels.load().best_isa())
 
 
 def test_packed_layout_round_trip():

@@ -9,6 +9,9 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
   venv with the same sources reuses the build.
 - One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
   (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
+- Passes of 1 to 4 rows (an AR step, a short verify pass) round x to int8 per group and take
+  integer dots (AVX-512 VNNI) where the CPU has them: 2-3x faster on one row, and a row's
+  result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there.
 - Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
   PyTorch's own kernels; a one-line notice says so once.
 """
@@ -33,6 +36,7 @@ SOURCES = (
     "qgemm_scalar.cpp",
     "qgemm_avx2.cpp",
     "qgemm_avx512.cpp",
+    "qgemm_vnni.cpp",
 )
 HEADERS = ("qgemm.h", "ops.h", "attention.h")
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
@@ -132,16 +136,25 @@ def load() -> ModuleType | None:
     return module
 
 
+INT8_DOTS = 8  # added to a path: passes of 1 to 4 rows take integer dots on int8 x
+
+
 def isa() -> int:
-    """The instruction set the kernels use: 3 AMX tiles (passes of several rows) + AVX-512 BF16,
-    2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable."""
+    """The kernel path: the instruction set (3 AMX tiles for passes of several rows + AVX-512
+    BF16, 2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable), plus INT8_DOTS where the CPU has AVX-512
+    VNNI, the level is 2 or more and `$CLOVER_INT8_DOTS` is not 0."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU kernels are not available")
-    best = module.best_isa()
+    level = module.best_isa()
     forced = os.environ.get("CLOVER_KERNEL_ISA")
     if forced:
         if forced not in ISAS:
             raise ValueError(f"$CLOVER_KERNEL_ISA={forced!r}: one of {', '.join(ISAS)}")
-        return min(ISAS[forced], best)
-    return best
+        level = min(ISAS[forced], level)
+    dots = os.environ.get("CLOVER_INT8_DOTS", "1")
+    if dots not in ("0", "1"):
+        raise ValueError(f"$CLOVER_INT8_DOTS={dots!r}: 0 or 1")
+    if dots == "1" and level >= 2 and module.int8_dots_supported():
+        level += INT8_DOTS
+    return level

@@ -261,7 +261,7 @@ class FusedLayer {
   void attend_loop(const float* qkv, const float* kc, const float* vc, int64_t cap,
                    const Layout& lay, float* out) const {
     const int64_t T = lay.T, Nq = nqkv_, group = hq_ / hkv_;
-    const int64_t per = T >= 16 || (isa_ == 1 && T >= 2) ? 4 : 1;
+    const int64_t per = T >= 16 || (isa_level(isa_) == 1 && T >= 2) ? 4 : 1;
     const int64_t chunks = (T + per - 1) / per;
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh_));
     at::parallel_for(0, lay.B * hq_ * chunks, 1, [&](int64_t i0, int64_t i1) {
@@ -281,8 +281,7 @@ class FusedLayer {
           o[j] = out + (m * hq_ + h) * dh_;
           ends[j] = lay.end(b, t0 + j);
         }
-        attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o,
-                       static_cast<int>(isa_));
+        attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o, isa_level(isa_));
       }
     });
   }
@@ -356,7 +355,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& K, const at::Tensor&
     }
     attend_queries(qp, ec.data_ptr<int64_t>() + i0, c, kc.data_ptr<float>(), vc.data_ptr<float>(),
                    Dh, 1.0f / std::sqrt(static_cast<float>(Dh)), scores.data(), S, op,
-                   static_cast<int>(isa));
+                   isa_level(isa));
   }
   return out;
 }

@@ -44,16 +44,28 @@ int64_t best_isa() {
   return 0;
 }
 
+bool int8_dots_supported() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return best_isa() >= 2 && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 using TileFn = void (*)(const QGemm&, int64_t, int64_t);
 
 TileFn tile_fn(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "kernel path ", isa, " not supported by this CPU");
-  return isa == 3   ? qgemm_tiles_amx
-         : isa == 2 ? qgemm_tiles_avx512
-         : isa == 1 ? qgemm_tiles_avx2
-                    : qgemm_tiles_scalar;
+  const int level = isa_level(isa);
+  TORCH_CHECK(isa >= 0 && isa < 16 && level <= best_isa(), "kernel path ", isa,
+              " not supported by this CPU");
+  TORCH_CHECK(!(isa & kInt8Dots) || int8_dots_supported(),
+              "integer dots (AVX-512 VNNI) not supported by this CPU");
+  return level == 3   ? qgemm_tiles_amx
+         : level == 2 ? qgemm_tiles_avx512
+         : level == 1 ? qgemm_tiles_avx2
+                      : qgemm_tiles_scalar;
 }
 
 // x [..., K] (float32 or bfloat16) -> bfloat16 [M, K] and, for affine levels, its sums per
@@ -122,7 +134,18 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   a.bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
   a.out_f32 = out_f32;
   a.out_bf16 = out_bf16;
-  const TileFn fn = tile_fn(isa);
+  TileFn fn = tile_fn(isa);
+  std::vector<int8_t> xq;
+  std::vector<float> xd;
+  std::vector<int32_t> xqs;
+  if ((isa & kInt8Dots) && M <= 4) {
+    const int64_t G = w.K / w.group;
+    xq.resize(M * w.K), xd.resize(M * G), xqs.resize(M * G);
+    quantize_rows(xb, M, w.K, static_cast<int>(w.group), static_cast<int>(w.bits), xq.data(),
+                  xd.data(), xqs.data());
+    a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();
+    fn = qgemm_tiles_vnni;
+  }
   if (M > 0) at::parallel_for(0, w.N / 16, 1, [&](int64_t t0, int64_t t1) { fn(a, t0, t1); });
 }
 
@@ -163,6 +186,8 @@ at::Tensor unpack_levels(const at::Tensor& q, int64_t bits, int64_t group, int64
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &clover::best_isa, "3: AMX + AVX-512 BF16, 2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
+  m.def("int8_dots_supported", &clover::int8_dots_supported,
+        "whether kernel paths may add 8: integer dots on int8 x for passes of 1 to 4 rows");
   m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");
   m.def("unpack_levels", &clover::unpack_levels, "levels [N, K] from the packed layout");
   clover::register_layer(m);

@@ -1,0 +1,195 @@
+// Integer-dot path of the quantized matmul for passes of 1 to 4 rows (an AR step, a verify
+// pass of a short draft): x is rounded to int8 per group of k, and `vpdpbusd` (AVX-512 VNNI)
+// multiplies 16 weight rows x 4 k of bytes by 4 bytes of x broadcast, 64 multiply-adds an
+// instruction, summed exactly in int32. The bfloat16 path spends two instructions per pair of
+// k unpacking 4-bit levels (shift, table lookup) beside one `vdpbf16ps` of 32 multiply-adds,
+// so one row ran at ~3x the time of reading the weights; here a 64-byte chunk of 4-bit levels
+// unpacks into bytes with three instructions for two `vpdpbusd`.
+//
+// Per row m and group g, with x_q = round(x / d) in -127..127, d = max |x| / 127:
+//   y[m, n] = sum_g  scale[n, g] * d[m, g] * dot_g(x_q[m], q[n]) + low[n, g] * xsum[m, g]
+// (xsum: the bfloat16 x's sums, as on the other paths). The dots are exact, so a row's result
+// does not depend on the pass it is in: an AR step and a verify pass agree to the bit.
+//
+// The weights stay in qgemm.h's layouts; x is written in the order they want:
+//   int4: 32-bit lane n of a 64-byte chunk c holds row n's 8 levels at k = 8c..8c+7, nibbles
+//     in the order k = 0, 2, 4, 6, 1, 3, 5, 7 (two words); `& 0x0f` per byte gives the bytes
+//     of k = 0, 4, 1, 5, `>> 4 & 0x0f` those of k = 2, 6, 3, 7, so x is stored in that order.
+//   int5: the int4 bytes, + 16 where the pair's mask has the word's high bit (`_pdep_u64`
+//     spreads two pairs' 32-bit masks over the 64 bytes), and dot -= 16 x sum(x_q).
+//   int8: two pairs (64 bytes) hold rows 0..15 x (k, k+1) then rows 0..15 x (k+2, k+3); one
+//     `vpermw` puts row n's 4 bytes in lane n. Levels are signed, `vpdpbusd` wants its first
+//     operand unsigned: levels + 128 (a xor), and dot -= 128 x sum(x_q).
+#include <cstring>
+
+#include "qgemm.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2,f16c,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2,f16c,fma")
+#endif
+#include <immintrin.h>
+
+#define CLOVER_INLINE inline __attribute__((always_inline))
+
+namespace clover {
+namespace {
+
+template <bool F16>
+CLOVER_INLINE __m512 load16(const void* p, int64_t at) {
+  if (F16)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+}
+
+CLOVER_INLINE __m512i quad(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MR rows of x against tiles [t0, t1): per group, integer dots in two chains per row (even and
+// odd quads of k), then y += dot * scale * d (+ low * xsum), in two float chains (even and odd
+// groups) so that neither waits on the other's latency.
+template <int MR, int BITS, int GROUP, bool LOW, bool F16>
+void run(const QGemm& a, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, G = K / GROUP, per = LOW ? 32 : 16;
+  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 16 * GROUP;
+  constexpr int kBias = BITS == 4 ? 0 : BITS == 5 ? 16 : 128;  // unsigned levels = level + this
+  const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i rows_of_quads = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                 18, 2, 17, 1, 16, 0);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 y[MR][2];
+    for (int r = 0; r < MR; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* base = a.q + (t * G + g) * tile;
+      const int8_t* x = a.xq + g * GROUP;
+      __m512i acc[MR][2];
+      for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+      if (BITS != 8) {
+        for (int c = 0; c < GROUP / 8; ++c) {
+          const __m512i v = _mm512_loadu_si512(base + 64 * c);
+          __m512i lo = _mm512_and_si512(v, nib);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          if (BITS == 5) {  // + 16 where the level's high bit is set: levels + 16 in 0..31
+            uint32_t m[4];  // pairs 4c..4c+3: bit w of word w; byte 4n + b of lo holds word
+            std::memcpy(m, base + 256 + 16 * c, 16);  // 2n + b / 2 of pair 4c + 2 (b % 2)
+            const uint64_t even = 0x5555555555555555ull, odd = ~even;
+            const __mmask64 mlo = _pdep_u64(m[0], even) | _pdep_u64(m[2], odd);
+            const __mmask64 mhi = _pdep_u64(m[1], even) | _pdep_u64(m[3], odd);
+            lo = _mm512_mask_add_epi8(lo, mlo, lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, mhi, hi, sixteen);
+          }
+          for (int r = 0; r < MR; ++r) {
+            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, quad(x + r * K + 8 * c));
+            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], hi, quad(x + r * K + 8 * c + 4));
+          }
+        }
+      } else {
+        for (int c = 0; c < GROUP / 4; ++c) {  // quads of k: two pairs of the layout
+          const __m512i v = _mm512_loadu_si512(base + 64 * c);
+          const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi16(rows_of_quads, v), flip);
+          for (int r = 0; r < MR; ++r)
+            acc[r][c % 2] = _mm512_dpbusd_epi32(acc[r][c % 2], w, quad(x + r * K + 4 * c));
+        }
+      }
+      const int64_t at = (t * G + g) * per;
+      const __m512 s = load16<F16>(a.scales, at);
+      for (int r = 0; r < MR; ++r) {
+        __m512i dot = _mm512_add_epi32(acc[r][0], acc[r][1]);
+        if (kBias) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kBias * a.xqs[r * G + g]));
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.xd[r * G + g]));
+        y[r][g % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, y[r][g % 2]);
+        if (LOW)
+          y[r][g % 2] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[r * G + g]),
+                                        load16<F16>(a.scales, at + 16), y[r][g % 2]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      __m512 v = _mm512_add_ps(y[r][0], y[r][1]);
+      if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
+      const int64_t o = r * a.N + 16 * t;
+      if (a.out_f32) {
+        _mm512_storeu_ps(a.out_f32 + o, v);
+      } else {
+        alignas(64) float f[16];
+        _mm512_store_ps(f, v);
+        for (int i = 0; i < 16; ++i) a.out_bf16[o + i] = to_bf16(f[i]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits, int8_t* xq,
+                   float* xd, int32_t* xqs) {
+  // 4- and 5-bit weights: each 8 k in the order 0, 4, 1, 5, 2, 6, 3, 7 (the file's header)
+  const __m512i order = bits == 8 ? _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                     3, 2, 1, 0)
+                                  : _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2,
+                                                     5, 1, 4, 0);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const int64_t G = K / group;
+  const int n = group / 16;  // vectors of 16 a group: 1 or 2
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* x = xb + m * K + g * group;
+      __m512 v[2];
+      __m512 amax = _mm512_setzero_ps();
+      for (int i = 0; i < n; ++i) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i));
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+      }
+      const float top = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.0f / top : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < n; ++i) {  // round half to even (the default rounding mode)
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutexvar_ps(order, v[i]), inv));
+        q = _mm512_max_epi32(lo, _mm512_min_epi32(q, hi));
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * group + 16 * i),
+                         _mm512_cvtepi32_epi8(q));
+      }
+      xd[m * G + g] = top / 127.0f;
+      xqs[m * G + g] = _mm512_reduce_add_epi32(sum);
+    }
+}
+
+void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1) {
+  const auto rows = [&](auto BITS, auto GROUP, auto LOW, auto F16) {
+    constexpr int bits = decltype(BITS)::value, group = decltype(GROUP)::value;
+    constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
+    switch (a.M) {
+      case 1: return run<1, bits, group, low, f16>(a, t0, t1);
+      case 2: return run<2, bits, group, low, f16>(a, t0, t1);
+      case 3: return run<3, bits, group, low, f16>(a, t0, t1);
+      default: return run<4, bits, group, low, f16>(a, t0, t1);
+    }
+  };
+  dispatch_format(a, [&](auto P, auto BITS, auto LOW, auto F16) {
+    rows(BITS, std::integral_constant<int, 2 * decltype(P)::value>{}, LOW, F16);
+  });
+}
+
+}  // namespace clover
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else  // not x86-64: never selected (ops.cpp checks the CPU)
+namespace clover {
+void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1) { qgemm_tiles_scalar(a, t0, t1); }
+void quantize_rows(const uint16_t*, int64_t, int64_t, int, int, int8_t*, float*, int32_t*) {}
+}  // namespace clover
+#endif
