@@ -140,7 +140,7 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<int32_t> xqs;
   if ((isa & kInt8Dots) && M <= 4) {
     const int64_t G = w.K / w.group;
-    xq.resize(M * w.K), xd.resize(M * G), xqs.resize(M * G);
+    xq.resize(2 * M * w.K), xd.resize(M * G), xqs.resize(M * G);
     quantize_rows(xb, M, w.K, static_cast<int>(w.group), static_cast<int>(w.bits), xq.data(),
                   xd.data(), xqs.data());
     a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();

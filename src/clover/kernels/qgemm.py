@@ -155,23 +155,24 @@ def reference_matmul(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = No
     return y if bias is None else y + bias.double()
 
 
-def reference_int8_matmul(
+def reference_dots_matmul(
     x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """What the integer-dot path (`kernels.INT8_DOTS`, passes of 1 to 4 rows) computes, in
-    float64: x rounded to bfloat16, then per group of the weights' k to int8 steps
-    (x_q = round(x * 127 / max |x|), float32 as the kernel rounds), each group's exact dot with
-    the levels times scale * max |x| / 127, plus low times the bfloat16 x's group sum."""
+    float64: x rounded to bfloat16, then per group of the weights' k to steps of
+    max |x| / 16256 (x_q = round(x * 16256 / max |x|), float32 as the kernel rounds), each
+    group's exact dot with the levels times scale * step, plus low times the bfloat16 x's group
+    sum. (The kernel splits x_q into two int8 planes; that split is exact.)"""
     xb = x.to(torch.bfloat16).float()
     N, K, g = w.out_features, w.in_features, w.group
     xg = xb.reshape(-1, K // g, g)
     amax = xg.abs().amax(-1, keepdim=True)
-    # 127 / amax as a true division (`127.0 / t` is a reciprocal then a product: two roundings)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros(()))
-    xq = (xg * inv).round().clamp(-127, 127).double()
+    # 16256 / amax as a true division (`16256.0 / t` is a reciprocal then a product: two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 16256.0) / amax, torch.zeros(()))
+    xq = (xg * inv).round().clamp(-16256, 16256).double()
     s = w.scales.float().permute(0, 3, 1, 2).reshape(N, K // g, -1).double()  # [N, G, 1 or 2]
     dots = torch.einsum("mgk,ngk->mng", xq, w.levels().double().reshape(N, K // g, g))
-    y = (dots * s[None, :, :, 0] * (amax / 127.0).double()[:, None, :, 0]).sum(-1)
+    y = (dots * s[None, :, :, 0] * (amax / 16256.0).double()[:, None, :, 0]).sum(-1)
     if w.has_low:
         y = y + (xg.double().sum(-1)[:, None, :] * s[None, :, :, 1]).sum(-1)
     y = y.reshape(*x.shape[:-1], N)
