@@ -108,6 +108,39 @@ def test_int8_dots_give_each_row_the_same_result_in_any_pass(monkeypatch):
             assert torch.equal(w.matmul(x[:M], out_bf16=False), alone[:M]), (kind, M)
 
 
+@pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")
+def test_int8_dots_make_int4_verify_passes_equal_ar_steps(monkeypatch):
+    """A quantized model's verify pass of up to 4 tokens gives, to the bit, the logits of AR
+    steps over the same tokens (fused layers, head and all), so int4 self-speculation keeps
+    exactly `ar`'s tokens, not only in float32."""
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import SelfSpec, make_policy
+
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    q = quantize_model(tiny_llama())
+    g = torch.Generator().manual_seed(2)
+    prompt, step = (
+        torch.randint(4, 256, (1, 9), generator=g),
+        torch.randint(4, 256, (1, 4), generator=g),
+    )
+    with torch.inference_mode():
+        wide, narrow = q.make_cache(1), q.make_cache(1)
+        q(prompt, wide), q(prompt, narrow)
+        verify = q.logits(q(step, wide))
+        steps = torch.cat([q.logits(q(step[:, i : i + 1], narrow)) for i in range(4)], 1)
+    assert q.fused
+    assert torch.equal(verify, steps)
+    prompts = ([5, 6, 7, 8, 9] * 3, torch.randint(4, 256, (30,), generator=g).tolist())
+    ar, lookup = make_policy("ar"), SelfSpec(4, draft="lookup", adaptive=False)
+    for prompt in prompts:
+        want, got = [], []
+        for policy, results in ((ar, want), (lookup, got)):
+            for _ in generate(q, [prompt], policy, max_new_tokens=40, results=results):
+                pass
+        assert got[0].tokens == want[0].tokens
+        assert got[0].nfe < want[0].nfe  # drafts were kept
+
+
 def test_int8_dots_switch(monkeypatch):
     monkeypatch.setenv("CLOVER_INT8_DOTS", "0")
     assert not kernels.isa() & kernels.INT8_DOTS
