@@ -210,6 +210,9 @@ CLOVER_INLINE void unpack_group(const uint8_t* base, __m512i table, __m512i* w) 
   for (int p = 0; p < P; ++p) _mm512_store_si512(w + p, unpack_pair<BITS>(base, p, table));
 }
 
+// groups ahead to prefetch while a tile is unpacked (a model that streams from DRAM)
+constexpr int64_t kAhead = 8;
+
 // passes of fewer rows than this stay on `vdpbf16ps`, and so do the last rows of a pass when
 // fewer than this are left after its blocks of 16 (measured on a Xeon with AMX: an AMX block
 // costs about as much as 3 rows on `vdpbf16ps`)
@@ -282,8 +285,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 5);
         if (first)
-          for (int64_t u = g + 2; u < std::min(g + 4, G); ++u)
+          for (int64_t u = g + 2; u < std::min(g + 4, G); ++u) {
             unpack_group<P, BITS>(base + u * tile, table, &w[u * P]);
+            for (int64_t at = (u + kAhead) * tile; at < (u + kAhead + 1) * tile; at += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);  // no fault
+          }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         amx_scale<NR, LOW, F16>(a, c[0], at + g * per, LOW ? xs + g : nullptr, G, acc);

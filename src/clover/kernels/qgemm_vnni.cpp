@@ -65,6 +65,11 @@ CLOVER_INLINE __m512i quad(const int8_t* x) {
 // MR rows of x against tiles [t0, t1): per group, integer dots in two chains per row and plane
 // (even and odd quads of k), then y += dot * scale * d (+ low * xsum). The same operations in
 // the same order for every MR: a row's result does not depend on the rows beside it.
+// groups of weights ahead to prefetch: a model larger than the share of L3 it gets streams
+// from DRAM, and the hardware prefetcher alone left Qwen2.5-Coder-0.5B's AR step at 23.4 ms
+// (19.0-19.7 with 4 to 16 ahead)
+constexpr int64_t kAhead = 8;
+
 template <int MR, int BITS, int GROUP, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / GROUP, per = LOW ? 32 : 16;
@@ -80,6 +85,8 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
     for (int r = 0; r < MR; ++r) y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* base = a.q + (t * G + g) * tile;
+      for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)  // may pass the end:
+        _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);  // never faults
       const int8_t* x = a.xq + g * GROUP;  // row r: high plane at x + 2rK, low plane K after
       __m512i acc[MR][4];  // high plane: chains 0 and 1, low plane: 2 and 3
       for (int r = 0; r < MR; ++r)
