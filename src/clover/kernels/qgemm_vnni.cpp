@@ -62,14 +62,14 @@ CLOVER_INLINE __m512i quad(const int8_t* x) {
   return _mm512_set1_epi32(v);
 }
 
-// MR rows of x against tiles [t0, t1): per group, integer dots in two chains per row and plane
-// (even and odd quads of k), then y += dot * scale * d (+ low * xsum). The same operations in
-// the same order for every MR: a row's result does not depend on the rows beside it.
 // groups of weights ahead to prefetch: a model larger than the share of L3 it gets streams
 // from DRAM, and the hardware prefetcher alone left Qwen2.5-Coder-0.5B's AR step at 23.4 ms
 // (19.0-19.7 with 4 to 16 ahead)
 constexpr int64_t kAhead = 8;
 
+// MR rows of x against tiles [t0, t1): per group, integer dots in two chains per row and plane
+// (even and odd quads of k), then y += dot * scale * d (+ low * xsum). The same operations in
+// the same order for every MR: a row's result does not depend on the rows beside it.
 template <int MR, int BITS, int GROUP, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / GROUP, per = LOW ? 32 : 16;
