@@ -184,6 +184,17 @@ def test_lookup_accepts_repeats_and_needs_no_mask_token():
         SelfSpec(block_size=4, draft="ngram")
 
 
+def test_a_rows_first_pass_has_ars_width():
+    """The prompt pass drafts nothing even where the prompt's end recurs in it, so it is as
+    wide as `ar`'s (its rows then round the same way on the kernels); the next pass drafts."""
+    script = [9, 10, 11, 12, 13] * 4
+    model = ScriptedModel(prompt_len=10, script=script, conf=[0.9] * 20)
+    fixed = SelfSpec(block_size=4, draft="lookup", adaptive=False)
+    (res,), events = run(model, [[9, 10, 11, 12, 13] * 2], fixed, max_new=20)
+    assert res.tokens == script
+    assert [len(e.commits) for e in events[:2]] == [1, 4]
+
+
 def test_lookup_with_sampling_top_k_one_equals_greedy():
     model = tiny_model(2)
     prompt = [5, 6, 7, 8] * 3
