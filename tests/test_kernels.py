@@ -92,6 +92,9 @@ def test_int8_dots_match_their_reference(kind, monkeypatch):
                 assert (want - exact).norm() < (exact - unrounded).norm()
             half = w.matmul(x.to(torch.bfloat16), bias)  # bfloat16 out
             torch.testing.assert_close(half.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+            x[0, 5] = float("nan")  # a NaN in x gives NaN, as on the bfloat16 path
+            out = w.matmul(x, bias, out_bf16=False)
+            assert out[0].isnan().all() and out[1:].isfinite().all()
 
 
 @pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")

@@ -27,6 +27,7 @@
 //     operand unsigned: levels + 128 (a xor), and dot -= 128 sum(x_q).
 // |dot| < 32 x 255 x 16256 x 2: no int32 overflow.
 #include <cstring>
+#include <limits>
 
 #include "qgemm.h"
 
@@ -170,10 +171,12 @@ void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits
       const uint16_t* x = xb + m * K + g * group;
       __m512 v[2];
       __m512 amax = _mm512_setzero_ps();
+      __mmask16 nan = 0;  // max_ps drops NaNs: a NaN in x makes d NaN, so its rows come out NaN
       for (int i = 0; i < n; ++i) {
         const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i));
         v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+        nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
       }
       const float top = _mm512_reduce_max_ps(amax);
       const __m512 inv = _mm512_set1_ps(top > 0.f ? static_cast<float>(kXMax) / top : 0.f);
@@ -188,7 +191,8 @@ void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(high));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + K), _mm512_cvtepi32_epi8(low));
       }
-      xd[m * G + g] = top / static_cast<float>(kXMax);
+      xd[m * G + g] =
+          nan ? std::numeric_limits<float>::quiet_NaN() : top / static_cast<float>(kXMax);
       xqs[m * G + g] = _mm512_reduce_add_epi32(sum);
     }
 }
