@@ -9,9 +9,10 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
   venv with the same sources reuses the build.
 - One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
   (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
-- Passes of 1 to 4 rows (an AR step, a short verify pass) round x to int8 per group and take
-  integer dots (AVX-512 VNNI) where the CPU has them: 2-3x faster on one row, and a row's
-  result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there.
+- Passes of 1 to 4 rows (an AR step, a short verify pass) round x to 15 bits per group, as two
+  int8 planes, and take integer dots (AVX-512 VNNI) where the CPU has them: ~1.6x faster on
+  one row, and a row's result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0`
+  keeps bfloat16 x there.
 - Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
   PyTorch's own kernels; a one-line notice says so once.
 """
@@ -38,7 +39,7 @@ SOURCES = (
     "qgemm_avx512.cpp",
     "qgemm_vnni.cpp",
 )
-HEADERS = ("qgemm.h", "ops.h", "attention.h")
+HEADERS = ("qgemm.h", "ops.h", "attention.h", "simd512.h")
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 # -fopenmp: `at::parallel_for` is inline OpenMP in PyTorch's headers, so without it every
 # kernel ran on one thread (the first builds did: 2 threads gave the speed of 1). The
@@ -136,7 +137,7 @@ def load() -> ModuleType | None:
     return module
 
 
-INT8_DOTS = 8  # added to a path: passes of 1 to 4 rows take integer dots on int8 x
+INT8_DOTS = 8  # added to a path: passes of 1 to 4 rows take integer dots (int8 planes of x)
 
 
 def isa() -> int:

@@ -44,9 +44,10 @@ int64_t best_isa() {
   return 0;
 }
 
-bool int8_dots_supported() {
+bool int8_dots_supported() {  // asked per matmul (tile_fn): found once
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return best_isa() >= 2 && __builtin_cpu_supports("avx512vnni");
+  static const bool ok = best_isa() >= 2 && __builtin_cpu_supports("avx512vnni");
+  return ok;
 #else
   return false;
 #endif
@@ -187,7 +188,7 @@ at::Tensor unpack_levels(const at::Tensor& q, int64_t bits, int64_t group, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &clover::best_isa, "3: AMX + AVX-512 BF16, 2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
   m.def("int8_dots_supported", &clover::int8_dots_supported,
-        "whether kernel paths may add 8: integer dots on int8 x for passes of 1 to 4 rows");
+        "whether kernel paths may add 8: integer dots for passes of 1 to 4 rows");
   m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");
   m.def("unpack_levels", &clover::unpack_levels, "levels [N, K] from the packed layout");
   clover::register_layer(m);

@@ -76,7 +76,7 @@ void qgemm_tiles_scalar(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
-// int8 x, integer dots (AVX-512 VNNI): 1 to 4 rows of x
+// integer dots on two int8 planes of x (AVX-512 VNNI): 1 to 4 rows of x
 void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1);
 
 // xb [M, K] bfloat16 -> x_q [M, 2, K] (per group: x_q = round(x * 16256 / max |x|) as two int8

@@ -127,18 +127,22 @@ class QWeight:
             self.q, self.bits, self.group, self.out_features, self.in_features
         )
 
+    def group_scales(self) -> torch.Tensor:
+        """float32 [N, K / group, 1 or 2]: each row's scale (and low) per group."""
+        N, G = self.out_features, self.in_features // self.group
+        return self.scales.float().permute(0, 3, 1, 2).reshape(N, G, -1)
+
     def row_levels(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(levels, scale, low) of output rows `rows`, exactly as stored: `from_levels` of them
         (bits 4, or 8 for 5- and 8-bit levels) packs those rows of this matrix unchanged."""
-        N, G = self.out_features, self.in_features // self.group
-        s = self.scales.float().permute(0, 3, 1, 2).reshape(N, G, -1)[rows]  # [n, G, 1 or 2]
+        s = self.group_scales()[rows]
         low = s[..., 1].contiguous() if self.has_low else None
         return self.levels()[rows], s[..., 0].contiguous(), low
 
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K]: levels * scale + low (the reference for the kernel)."""
         N, G = self.out_features, self.in_features // self.group
-        s = self.scales.float().permute(0, 3, 1, 2).reshape(N, G, -1)  # [N, G, 1 or 2]
+        s = self.group_scales()
         w = self.levels().float().reshape(N, G, self.group) * s[..., :1]
         if self.has_low:
             w = w + s[..., 1:]
@@ -170,7 +174,7 @@ def reference_dots_matmul(
     # 16256 / amax as a true division (`16256.0 / t` is a reciprocal then a product: two roundings)
     inv = torch.where(amax > 0, torch.full_like(amax, 16256.0) / amax, torch.zeros(()))
     xq = (xg * inv).round().clamp(-16256, 16256).double()
-    s = w.scales.float().permute(0, 3, 1, 2).reshape(N, K // g, -1).double()  # [N, G, 1 or 2]
+    s = w.group_scales().double()
     dots = torch.einsum("mgk,ngk->mng", xq, w.levels().double().reshape(N, K // g, g))
     y = (dots * s[None, :, :, 0] * (amax / 16256.0).double()[:, None, :, 0]).sum(-1)
     if w.has_low:

@@ -16,8 +16,7 @@
 #include <vector>
 
 #include "qgemm.h"
-
-#define CLOVER_INLINE inline __attribute__((always_inline))
+#include "simd512.h"
 
 namespace clover {
 namespace {
@@ -70,20 +69,6 @@ CLOVER_INLINE __m512i unpack_pair(const uint8_t* base, int p, __m512i table) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-template <bool F16>
-CLOVER_INLINE __m512 load16(const void* p, int64_t at) {
-  if (F16)
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at)));
-  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
-}
-
-CLOVER_INLINE __m512i pair(const uint16_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // MB rows of x against one tile; NA accumulators per row split the chain over k. The tile's
 // pairs come unpacked from `wbuf` (several row blocks share one unpacking) or, when wbuf is
 // null, are unpacked on the fly (one block: nothing to share, no store and reload).
@@ -99,7 +84,7 @@ CLOVER_INLINE void micro(const uint8_t* base, const __m512i* wbuf, __m512i table
     const __m512i w = wbuf ? _mm512_load_si512(wbuf + p) : unpack_pair<BITS>(base, p, table);
     for (int r = 0; r < MB; ++r)
       acc[r][p % NA] =
-          _mm512_dpbf16_ps(acc[r][p % NA], (__m512bh)w, (__m512bh)pair(x + r * K + 2 * p));
+          _mm512_dpbf16_ps(acc[r][p % NA], (__m512bh)w, (__m512bh)broadcast4(x + r * K + 2 * p));
   }
   for (int r = 0; r < MB; ++r) {
     __m512 d = acc[r][0];

@@ -44,24 +44,10 @@ constexpr int kXMax = 127 * 128;  // x_q in -kXMax..kXMax: high plane in -127..1
 #endif
 #include <immintrin.h>
 
-#define CLOVER_INLINE inline __attribute__((always_inline))
+#include "simd512.h"
 
 namespace clover {
 namespace {
-
-template <bool F16>
-CLOVER_INLINE __m512 load16(const void* p, int64_t at) {
-  if (F16)
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at)));
-  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
-}
-
-CLOVER_INLINE __m512i quad(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_set1_epi32(v);
-}
 
 // groups of weights ahead to prefetch: a model larger than the share of L3 it gets streams
 // from DRAM, and the hardware prefetcher alone left Qwen2.5-Coder-0.5B's AR step at 23.4 ms
@@ -109,8 +95,8 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           for (int r = 0; r < MR; ++r)
             for (int pl = 0; pl < 2; ++pl) {
               const int8_t* xp = x + (2 * r + pl) * K + 8 * c;
-              acc[r][2 * pl] = _mm512_dpbusd_epi32(acc[r][2 * pl], lo, quad(xp));
-              acc[r][2 * pl + 1] = _mm512_dpbusd_epi32(acc[r][2 * pl + 1], hi, quad(xp + 4));
+              acc[r][2 * pl] = _mm512_dpbusd_epi32(acc[r][2 * pl], lo, broadcast4(xp));
+              acc[r][2 * pl + 1] = _mm512_dpbusd_epi32(acc[r][2 * pl + 1], hi, broadcast4(xp + 4));
             }
         }
       } else {
@@ -122,21 +108,20 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
             for (int r = 0; r < MR; ++r)
               for (int pl = 0; pl < 2; ++pl)
                 acc[r][2 * pl + e] =
-                    _mm512_dpbusd_epi32(acc[r][2 * pl + e], w, quad(xc + (2 * r + pl) * K));
+                    _mm512_dpbusd_epi32(acc[r][2 * pl + e], w, broadcast4(xc + (2 * r + pl) * K));
           }
         }
       }
       const int64_t at = (t * G + g) * per;
       const __m512 s = load16<F16>(a.scales, at);
+      const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r) {
         __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), 7),
                                        _mm512_add_epi32(acc[r][2], acc[r][3]));
         if (kBias) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kBias * a.xqs[r * G + g]));
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.xd[r * G + g]));
         y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, y[r]);
-        if (LOW)
-          y[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[r * G + g]), load16<F16>(a.scales, at + 16),
-                                 y[r]);
+        if (LOW) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[r * G + g]), l, y[r]);
       }
     }
     for (int r = 0; r < MR; ++r) {
