@@ -130,3 +130,31 @@ def test_distill_leaves_out_prompts_longer_than_the_teacher_s_context(tiny_check
                     dtype="float32", progress=False)  # fmt: skip
     assert stats["too_long"] > 0 and stats["written"] + stats["too_long"] == 42
     assert stats["left"] == 0 and len(load_examples(out)) == stats["written"]
+
+
+def test_distill_keeps_the_ar_steps_distributions(tiny_checkpoint, tmp_path):
+    """Top-k kept from the AR steps that wrote the answer (rows joining a running batch) equal
+    those of one teacher-forced pass over prompt + answer (float32), EOS target included."""
+    import torch
+
+    from clover.data.distill import teacher_topk_batch
+    from clover.engine import LLM
+
+    out = tmp_path / "data"
+    stats = distill(str(tiny_checkpoint), out, 7, max_tokens=9, batch_size=3, top_k=4,
+                    dtype="float32", progress=False)  # fmt: skip
+    assert stats["written"] == 7 and stats["left"] == 0
+    model = LLM(str(tiny_checkpoint), dtype="float32", progress=False).model
+    records = load_examples(out)
+    assert len(records) == 7
+    # a long prompt leaves a shorter budget in the 256-token context: its row ends first and
+    # the next prompt joins the running batch
+    assert len({len(r["answer_ids"]) for r in records}) > 1
+    for r in records:
+        written = r["answer_ids"][: len(r["answer_ids"]) - (r["finish_reason"] == "stop")]
+        assert [row[0] for row in r["topk_ids"][: len(written)]] == written  # greedy's own
+        ids, lps = teacher_topk_batch(model, [r["prompt_ids"]], [r["answer_ids"]], 4)[0]
+        assert r["topk_ids"] == ids
+        torch.testing.assert_close(
+            torch.tensor(r["topk_logprobs"]), torch.tensor(lps), atol=2e-4, rtol=0
+        )

@@ -595,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="cpu", help="cpu, cuda or auto (cpu)")
     d.add_argument(
-        "--max-minutes", type=float, help="stop after the batch in flight past this (resumable)"
+        "--max-minutes",
+        type=float,
+        help="take no new prompt past this; the answers in flight finish (resumable)",
     )
     d.set_defaults(func=cmd_data_distill)
     tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)

@@ -120,6 +120,9 @@ class BatchDecoder:
         # the drafter's context rows, aligned with the cache's, once a row drafts with it
         self.drafting: DrafterRunner | None = None
         self._costs: dict[bool, PassCosts] = {}  # with / without the drafter's pass
+        # on_logits(row index, the row's logits [n, V], its commits [(answer index, token)])
+        # after every update: for callers that keep the distributions (`clover data distill`)
+        self.on_logits: Callable[[int, torch.Tensor, list], None] | None = None
 
     @on_model_device
     def add(
@@ -342,6 +345,8 @@ class BatchDecoder:
             row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
             start += counts[k]
             commits, rollback[k] = r.update(row_logits, r.sampling, r.eos)
+            if self.on_logits is not None:
+                self.on_logits(r.index, row_logits, commits)
             event.commits += [Commit(r.index, i, t, r.steps) for i, t in commits]
             reason = r.finish_reason(r.eos)
             final = r.final_tokens()
