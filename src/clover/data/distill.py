@@ -141,6 +141,7 @@ def distill(
                 running[index][3][at] = (ids, [round(v, 4) for v in lps])
 
         batch.on_logits = keep
+        policy, eos_ids = s.policy(), llm.eos_token_ids
         queue, added = iter(todo), 0
         try:
             while True:
@@ -158,8 +159,8 @@ def distill(
                         if bar is not None:
                             bar.update(1)
                         continue
-                    row = batch.add(prompt, s.policy(), max_new_tokens=s.max_tokens,
-                                    eos_token_ids=llm.eos_token_ids, index=added)  # fmt: skip
+                    row = batch.add(prompt, policy, max_new_tokens=s.max_tokens,
+                                    eos_token_ids=eos_ids, index=added)  # fmt: skip
                     running[added], added = (p, prompt, row, {}), added + 1
                 if not batch.active:
                     break
