@@ -66,29 +66,41 @@ def int8_dots_here() -> bool:  # read at collection: also where the kernels cann
     return module is not None and bool(module.int8_dots_supported())
 
 
-@pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")
+def dot_isas() -> list[str]:
+    """Kernel paths with integer dots here: avx2 (qgemm_dots_avx2.cpp), and avx512 (VNNI)
+    where the CPU has AVX-512 BF16."""
+    return (
+        [isa for isa in available_isas() if isa in ("avx2", "avx512")] if int8_dots_here() else []
+    )
+
+
+@pytest.mark.skipif(not int8_dots_here(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("isa", dot_isas())
 @pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
-def test_int8_dots_match_their_reference(kind, monkeypatch):
+def test_int8_dots_match_their_reference(isa, kind, monkeypatch):
     """Passes of 1 to 4 rows on the integer-dot path equal x rounded to 15 bits per group
     times the levels, exactly summed (reference_dots_matmul), every format and scale type;
     wider passes keep bfloat16 x. That second rounding (of the bfloat16 x) errs less than the
     first one did, also in a group with one large value."""
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
     assert kernels.isa() & kernels.INT8_DOTS
     N, K = 48, 96
     for f16 in (True, False):
         w = random_weight(kind, N, K, f16)
         bias = torch.randn(N)
-        for M in (1, 2, 3, 4, 5):
+        rows = kernels.load().int8_dots_rows(kernels.isa())
+        assert rows == (4 if isa == "avx512" else 16)
+        for M in (1, 2, 3, 4, 5, 7, 16, 17):
             x = torch.randn(M, K)
             x[0, :32] = 0  # a group of zeros: step 0, no division by it
             x[-1, 40] = 30.0  # one large value sets its group's step
             exact = reference_matmul(x, w, bias)
-            want = reference_dots_matmul(x, w, bias) if M <= 4 else exact
+            want = reference_dots_matmul(x, w, bias) if M <= rows else exact
             out = w.matmul(x, bias, out_bf16=False).double()
             tol = 1e-5 * float((x.abs() @ w.dequantized().abs().t()).max() + 1)
             assert (out - want).abs().max() < tol, (kind, f16, M)
-            if M <= 4:
+            if M <= rows:
                 assert not torch.equal(want, exact)
                 unrounded = x.double() @ w.dequantized().double().t() + bias.double()
                 assert (want - exact).norm() < (exact - unrounded).norm()
@@ -99,40 +111,62 @@ def test_int8_dots_match_their_reference(kind, monkeypatch):
             assert out[0].isnan().all() and out[1:].isfinite().all()
 
 
-@pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")
-def test_int8_dots_give_each_row_the_same_result_in_any_pass(monkeypatch):
+@pytest.mark.skipif(not int8_dots_here(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("isa", dot_isas())
+def test_int8_dots_give_each_row_the_same_result_in_any_pass(isa, monkeypatch):
     """Integer dots are exact, so a row's output does not depend on the rows beside it: an AR
     step and each row of a verify pass of up to 4 agree to the bit (bfloat16 x on AMX sums
     in another order for 3 rows or more)."""
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
-    for kind in ("int4", "int5", "int8g16"):
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    rows = kernels.load().int8_dots_rows(kernels.isa())
+    for kind in ("int4", "int5", "int8g16", "int8low"):
         w = random_weight(kind, 64, 128, True)
-        x = torch.randn(4, 128)
-        alone = torch.cat([w.matmul(x[i : i + 1], out_bf16=False) for i in range(4)])
-        for M in (2, 3, 4):
+        x = torch.randn(rows, 128)
+        alone = torch.cat([w.matmul(x[i : i + 1], out_bf16=False) for i in range(rows)])
+        for M in range(2, rows + 1):
             assert torch.equal(w.matmul(x[:M], out_bf16=False), alone[:M]), (kind, M)
 
 
-@pytest.mark.skipif(not int8_dots_here(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.skipif("avx512" not in dot_isas(), reason="no AVX-512 VNNI on this CPU")
+def test_int8_dots_on_avx2_equal_vnni_to_the_bit(monkeypatch):
+    """The AVX2 dots sum the same integers and run the same float epilogue in the same order
+    as the VNNI ones: a model gives the same tokens on either CPU class."""
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    for kind in ("int4", "int8", "int8g16", "int8low", "int5", "int5low"):
+        for f16 in (True, False):
+            w = random_weight(kind, 48, 160, f16, seed=3)
+            x = torch.randn(4, 160) * torch.rand(4, 160) * 4
+            bias = torch.randn(48)
+            for M in (1, 2, 3, 4):
+                monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx512")
+                vnni = w.matmul(x[:M], bias, out_bf16=False)
+                monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx2")
+                avx2 = w.matmul(x[:M], bias, out_bf16=False)
+                assert torch.equal(vnni, avx2), (kind, f16, M)
+
+
+@pytest.mark.skipif(not int8_dots_here(), reason="no AVX2 on this CPU")
 def test_int8_dots_make_int4_verify_passes_equal_ar_steps(monkeypatch):
-    """A quantized model's verify pass of up to 4 tokens gives, to the bit, the logits of AR
-    steps over the same tokens (fused layers, head and all), so int4 self-speculation keeps
-    exactly `ar`'s tokens, not only in float32."""
+    """A quantized model's verify pass of as many tokens as the dots take (4 with VNNI, 16 on
+    AVX2) gives, to the bit, the logits of AR steps over the same tokens (fused layers, head
+    and all), so int4 self-speculation keeps exactly `ar`'s tokens, not only in float32."""
     from clover.decoding.loop import generate
     from clover.decoding.policies import SelfSpec, make_policy
 
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
     q = quantize_model(tiny_llama())
+    rows = kernels.load().int8_dots_rows(kernels.isa())
     g = torch.Generator().manual_seed(2)
     prompt, step = (
         torch.randint(4, 256, (1, 9), generator=g),
-        torch.randint(4, 256, (1, 4), generator=g),
+        torch.randint(4, 256, (1, rows), generator=g),
     )
     with torch.inference_mode():
         wide, narrow = q.make_cache(1), q.make_cache(1)
         q(prompt, wide), q(prompt, narrow)
         verify = q.logits(q(step, wide))
-        steps = torch.cat([q.logits(q(step[:, i : i + 1], narrow)) for i in range(4)], 1)
+        steps = torch.cat([q.logits(q(step[:, i : i + 1], narrow)) for i in range(rows)], 1)
     assert q.fused
     assert torch.equal(verify, steps)
     prompts = ([5, 6, 7, 8, 9] * 3, torch.randint(4, 256, (30,), generator=g).tolist())
@@ -153,8 +187,8 @@ def test_int8_dots_switch(monkeypatch):
     with pytest.raises(ValueError, match="CLOVER_INT8_DOTS"):
         kernels.isa()
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
-    monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx2")  # below AVX-512: never
-    assert kernels.isa() == min(1, kernels.load().best_isa())
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", "portable")  # no dots without AVX2
+    assert kernels.isa() == 0
 
 
 def test_packed_layout_round_trip():

@@ -10,9 +10,9 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
 - One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
   (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
 - Passes of 1 to 4 rows (an AR step, a short verify pass) round x to 15 bits per group, as two
-  int8 planes, and take integer dots (AVX-512 VNNI) where the CPU has them: ~1.6x faster on
-  one row, and a row's result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0`
-  keeps bfloat16 x there.
+  int8 planes, and take exact integer dots (AVX-512 VNNI, else AVX2 `vpmaddubsw`, the same
+  results to the bit): ~1.6x faster on one row, and a row's result no longer depends on the
+  pass width. `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there.
 - Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
   PyTorch's own kernels; a one-line notice says so once.
 """
@@ -38,6 +38,7 @@ SOURCES = (
     "qgemm_avx2.cpp",
     "qgemm_avx512.cpp",
     "qgemm_vnni.cpp",
+    "qgemm_dots_avx2.cpp",
 )
 HEADERS = ("qgemm.h", "ops.h", "attention.h", "simd512.h")
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
@@ -142,8 +143,9 @@ INT8_DOTS = 8  # added to a path: passes of 1 to 4 rows take integer dots (int8 
 
 def isa() -> int:
     """The kernel path: the instruction set (3 AMX tiles for passes of several rows + AVX-512
-    BF16, 2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable), plus INT8_DOTS where the CPU has AVX-512
-    VNNI, the level is 2 or more and `$CLOVER_INT8_DOTS` is not 0."""
+    BF16, 2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable), plus INT8_DOTS where the level is 1 or
+    more and `$CLOVER_INT8_DOTS` is not 0 (AVX-512 VNNI from level 2 where the CPU has it,
+    else AVX2: the same results to the bit)."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU kernels are not available")
@@ -156,6 +158,6 @@ def isa() -> int:
     dots = os.environ.get("CLOVER_INT8_DOTS", "1")
     if dots not in ("0", "1"):
         raise ValueError(f"$CLOVER_INT8_DOTS={dots!r}: 0 or 1")
-    if dots == "1" and level >= 2 and module.int8_dots_supported():
+    if dots == "1" and level >= 1 and module.int8_dots_supported():
         level += INT8_DOTS
     return level

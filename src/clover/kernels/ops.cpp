@@ -44,13 +44,25 @@ int64_t best_isa() {
   return 0;
 }
 
-bool int8_dots_supported() {  // asked per matmul (tile_fn): found once
+// integer dots: AVX-512 VNNI (qgemm_vnni.cpp) where the CPU has it, else AVX2
+// (qgemm_dots_avx2.cpp), the same results to the bit
+bool vnni_usable() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool ok = best_isa() >= 2 && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;
 #endif
+}
+
+bool int8_dots_supported() { return best_isa() >= 1; }
+
+// VNNI: up to 4 (AMX's bfloat16 tiles cost as much from 3 rows on); AVX2: up to 16, where the
+// dots still cost 0.73-1.0x the float path (a 4864 x 896 matmul on a 2-core Zen 3, int4 /
+// int5 / int8: 0.32-0.57x at 1 row, 0.60-0.75x at 4, 0.77-0.81x at 8, 0.73-1.0x at 16)
+int64_t int8_dots_rows(int64_t isa) {
+  if (!(isa & kInt8Dots)) return 0;
+  return isa_level(isa) >= 2 && vnni_usable() ? 4 : 16;
 }
 
 namespace {
@@ -61,8 +73,8 @@ TileFn tile_fn(int64_t isa) {
   const int level = isa_level(isa);
   TORCH_CHECK(isa >= 0 && isa < 16 && level <= best_isa(), "kernel path ", isa,
               " not supported by this CPU");
-  TORCH_CHECK(!(isa & kInt8Dots) || int8_dots_supported(),
-              "integer dots (AVX-512 VNNI) not supported by this CPU");
+  TORCH_CHECK(!(isa & kInt8Dots) || (level >= 1 && int8_dots_supported()),
+              "integer dots (AVX2 or AVX-512 VNNI) not supported by this kernel path or CPU");
   return level == 3   ? qgemm_tiles_amx
          : level == 2 ? qgemm_tiles_avx512
          : level == 1 ? qgemm_tiles_avx2
@@ -139,13 +151,15 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<int8_t> xq;
   std::vector<float> xd;
   std::vector<int32_t> xqs;
-  if ((isa & kInt8Dots) && M <= 4) {
+  if (M <= int8_dots_rows(isa)) {
     const int64_t G = w.K / w.group;
     xq.resize(2 * M * w.K), xd.resize(M * G), xqs.resize(M * G);
-    quantize_rows(xb, M, w.K, static_cast<int>(w.group), static_cast<int>(w.bits), xq.data(),
-                  xd.data(), xqs.data());
+    const bool vnni = isa_level(isa) >= 2 && vnni_usable();
+    (vnni ? quantize_rows : quantize_rows_avx2)(xb, M, w.K, static_cast<int>(w.group),
+                                                static_cast<int>(w.bits), xq.data(), xd.data(),
+                                                xqs.data());
     a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();
-    fn = qgemm_tiles_vnni;
+    fn = vnni ? qgemm_tiles_vnni : qgemm_tiles_dots_avx2;
   }
   if (M > 0) at::parallel_for(0, w.N / 16, 1, [&](int64_t t0, int64_t t1) { fn(a, t0, t1); });
 }
@@ -188,7 +202,10 @@ at::Tensor unpack_levels(const at::Tensor& q, int64_t bits, int64_t group, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &clover::best_isa, "3: AMX + AVX-512 BF16, 2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
   m.def("int8_dots_supported", &clover::int8_dots_supported,
-        "whether kernel paths may add 8: integer dots for passes of 1 to 4 rows");
+        "whether kernel paths of level 1 or more may add 8: integer dots for passes of 1 to 4 rows "
+        "(AVX-512 VNNI, else AVX2)");
+  m.def("int8_dots_rows", &clover::int8_dots_rows,
+        "passes of up to this many rows take integer dots on a kernel path (0: none)");
   m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");
   m.def("unpack_levels", &clover::unpack_levels, "levels [N, K] from the packed layout");
   clover::register_layer(m);

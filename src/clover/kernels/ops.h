@@ -31,6 +31,8 @@ int64_t best_isa();
 constexpr int64_t kInt8Dots = 8;
 inline int isa_level(int64_t isa) { return static_cast<int>(isa & 7); }
 bool int8_dots_supported();
+// passes of up to this many rows take the integer dots on kernel path `isa` (0: none)
+int64_t int8_dots_rows(int64_t isa);
 
 void register_layer(pybind11::module& m);
 

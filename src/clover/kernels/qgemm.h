@@ -40,7 +40,8 @@ struct QGemm {
   const float* bias = nullptr;   // [N] or null
   float* out_f32 = nullptr;      // [M, N], one of the two outputs
   uint16_t* out_bf16 = nullptr;
-  // the integer-dot path (qgemm_vnni.cpp): x rounded per group, in the weights' order
+  // the integer-dot paths (qgemm_vnni.cpp, qgemm_dots_avx2.cpp): x rounded per group, in the
+  // weights' order
   const int8_t* xq = nullptr;    // [M, 2, K]: high and low int8 planes, x_q = 128 high + low
   const float* xd = nullptr;     // [M, G]: each group's step d (x ~ d * x_q)
   const int32_t* xqs = nullptr;  // [M, G]: sum of x_q per group
@@ -78,12 +79,18 @@ void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
 // integer dots on two int8 planes of x (AVX-512 VNNI): 1 to 4 rows of x
 void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1);
+// the same dots on AVX2 (qgemm_dots_avx2.cpp), to the bit: 1 to 4 rows of x
+void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1);
 
 // xb [M, K] bfloat16 -> x_q [M, 2, K] (per group: x_q = round(x * 16256 / max |x|) as two int8
 // planes, in the order qgemm_tiles_vnni reads for `bits`), d = max |x| / 16256 [M, G], sum of
 // x_q [M, G] (AVX-512)
 void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits, int8_t* xq,
                    float* xd, int32_t* xqs);
+// the same on AVX2, for qgemm_tiles_dots_avx2: the same x_q, d and sums, but for 8-bit weights
+// x_q is written as int16 [M, K] (in the same 2K bytes a row) instead of two planes
+void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int bits,
+                        int8_t* xq, float* xd, int32_t* xqs);
 
 // The level of row n at k, and the scale/low of (n, group), read from the packed layout
 // (the scalar path and tests of the layout use these).

@@ -1,0 +1,303 @@
+// Integer-dot path for passes of 1 to 4 rows on AVX2 CPUs without AVX-512 (qgemm_vnni.cpp's
+// twin): the same x rounded to 15 bits per group, the same exact integer dots, the same float
+// epilogue in the same order, so a result here equals the VNNI path's to the bit. The float
+// path (qgemm_avx2.cpp) widens every 4-bit level to float32 and spends ~4 instructions on each
+// 8 multiply-adds of one row; here 32 bytes of levels unpack into 64 bytes with three.
+//
+// No `vpdpbusd` on AVX2: `vpmaddubsw` multiplies unsigned bytes by signed bytes and adds
+// neighbours into int16 (saturating), `vpmaddwd` against ones widens to int32.
+//   int4 / int5: x as qgemm_vnni.cpp's two int8 planes and byte order. A 256-bit half of a
+//     64-byte chunk holds rows 8h..8h+7 (a row's 4 bytes in its 32-bit lane), so each int16
+//     lane sums two products of one row. They stay in int16 over a span of chunks, then widen:
+//     |level| <= 15 (int4), 31 (int5: levels + 16), |x| <= 127 (high plane), so 16 products
+//     (int4: the whole group of 32) or 8 (int5: two chunks) stay under 32767.
+//   int8: levels are signed (-128..127), so `vpmaddubsw` cannot take them without overflow;
+//     x is written as int16 (x_q itself, qgemm_rows's buffer of two planes holds it) and
+//     `vpmaddwd` multiplies a pair's levels widened to int16 (rows 0..7 and 8..15 x (k, k+1),
+//     qgemm.h's layout as it is) by the pair of x: int32 lane n = row n's two products.
+#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "qgemm.h"
+
+#define CLOVER_INLINE inline __attribute__((always_inline))
+
+namespace clover {
+namespace {
+
+constexpr int kXMax = 127 * 128;  // as qgemm_vnni.cpp: x_q in -kXMax..kXMax
+constexpr int64_t kAhead = 8;     // groups of weights ahead to prefetch (qgemm_vnni.cpp)
+
+CLOVER_INLINE __m256i broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 scales (or lows) of rows 8h..8h+7 of a tile's group, stored in float16 or float32
+template <bool F16>
+CLOVER_INLINE __m256 load8(const void* p, int64_t at) {
+  if (F16)
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at)));
+  return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+}
+
+// int5's high bits as bytes, 16 where the level has it, for half h of a chunk. `m` holds the
+// chunk's 4 pair masks (bit w of pair 4c + j's mask: word w's nibble j) in both 128-bit
+// lanes. Byte 2i of a half is word 16h + i's low byte (nibbles 0 and 1: pairs 4c and 4c + 1),
+// byte 2i + 1 its high byte (pairs 4c + 2 and 4c + 3); lo (& 15) bytes take the even pairs'
+// bits, hi (>> 4) bytes the odd ones'. One shuffle puts in byte 2i the byte of the right mask
+// holding bit i (bits 16h + 0..7 in the low lane, 16h + 8..15 in the high), then a compare
+// picks bit i % 8.
+template <int H, bool ODD>
+CLOVER_INLINE __m256i high16(__m256i m) {
+  constexpr char a = 4 * ODD + 2 * H, b = 8 + 4 * ODD + 2 * H;  // mask bytes: pair 4c+ODD, +2
+  const __m256i pick = _mm256_setr_epi8(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,  //
+                                        a + 1, b + 1, a + 1, b + 1, a + 1, b + 1, a + 1, b + 1,
+                                        a + 1, b + 1, a + 1, b + 1, a + 1, b + 1, a + 1, b + 1);
+  const __m256i bit = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128,
+                                       -128, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64,
+                                       -128, -128);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(m, pick), bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+// y[r] (rows 8h..8h+7) += dot * scale * d (+ low * xsum): qgemm_vnni.cpp's epilogue, 8 lanes
+template <int MR, bool LOW, bool F16>
+CLOVER_INLINE void epilogue(const QGemm& a, int64_t t, int64_t g, int h, const __m256i* dot,
+                            __m256* y) {
+  const int64_t G = a.K / a.group, at = (t * G + g) * (LOW ? 32 : 16) + 8 * h;
+  const __m256 s = load8<F16>(a.scales, at);
+  const __m256 l = LOW ? load8<F16>(a.scales, at + 16) : _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) {
+    const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(a.xd[r * G + g]));
+    y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sd, y[r]);
+    if (LOW) y[r] = _mm256_fmadd_ps(_mm256_set1_ps(a.xsum[r * G + g]), l, y[r]);
+  }
+}
+
+template <int MR>
+CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
+  for (int r = 0; r < MR; ++r) {
+    __m256 v = y[r];
+    if (a.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + 16 * t + 8 * h));
+    const int64_t o = r * a.N + 16 * t + 8 * h;
+    if (a.out_f32) {
+      _mm256_storeu_ps(a.out_f32 + o, v);
+    } else {
+      alignas(32) float f[8];
+      _mm256_store_ps(f, v);
+      for (int i = 0; i < 8; ++i) a.out_bf16[o + i] = to_bf16(f[i]);
+    }
+  }
+}
+
+// 4- and 5-bit levels (groups of 32), MR rows of x on two int8 planes
+template <int MR, int BITS, bool LOW, bool F16>
+void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, G = K / 32;
+  constexpr int64_t tile = BITS == 4 ? 256 : 320;
+  constexpr int span = BITS == 4 ? 4 : 2;  // chunks summed in int16 before widening
+  const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7 of the tile
+      __m256 y[MR];
+      for (int r = 0; r < MR; ++r) y[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* base = a.q + (t * G + g) * tile;
+        if (h == 0)  // the second half reads the lines the first one brought in
+          for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
+        const int8_t* x = a.xq + g * 32;  // row r: high plane at x + 2rK, low plane K after
+        __m256i acc[MR][2];  // int32 per row and plane
+        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int c0 = 0; c0 < 4; c0 += span) {
+          __m256i part[MR][2];  // int16 sums over the span
+          for (int r = 0; r < MR; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
+          // a chunk at a time: unrolled, GCC hoisted all 64 products of a group ahead of
+          // their sums and kept them on the stack
+#pragma GCC unroll 1
+          for (int c = c0; c < c0 + span; ++c) {
+            const __m256i v =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * c + 32 * h));
+            __m256i lo = _mm256_and_si256(v, nib);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            if (BITS == 5) {  // levels + 16 in 0..31
+              const __m256i m = _mm256_broadcastsi128_si256(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 256 + 16 * c)));
+              lo = _mm256_or_si256(lo, h ? high16<1, false>(m) : high16<0, false>(m));
+              hi = _mm256_or_si256(hi, h ? high16<1, true>(m) : high16<0, true>(m));
+            }
+            for (int r = 0; r < MR; ++r)
+              for (int pl = 0; pl < 2; ++pl) {
+                const int8_t* xp = x + (2 * r + pl) * K + 8 * c;
+                const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xp)),
+                                                   _mm256_maddubs_epi16(hi, broadcast4(xp + 4)));
+                part[r][pl] = _mm256_add_epi16(part[r][pl], d);
+              }
+          }
+          for (int r = 0; r < MR; ++r)
+            for (int pl = 0; pl < 2; ++pl)
+              acc[r][pl] = _mm256_add_epi32(acc[r][pl], _mm256_madd_epi16(part[r][pl], ones));
+        }
+        __m256i dot[MR];
+        for (int r = 0; r < MR; ++r) {
+          dot[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r][0], 7), acc[r][1]);
+          if (BITS == 5) dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(16 * a.xqs[r * G + g]));
+        }
+        epilogue<MR, LOW, F16>(a, t, g, h, dot, y);
+      }
+      store<MR>(a, t, h, y);
+    }
+}
+
+// 8-bit levels (groups of 16 or 32), MR rows of x as int16
+template <int MR, int GROUP, bool LOW, bool F16>
+void run_bytes(const QGemm& a, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, G = K / GROUP;
+  constexpr int64_t tile = 16 * GROUP;
+  const int16_t* xs = reinterpret_cast<const int16_t*>(a.xq);  // [M, K]
+  for (int64_t t = t0; t < t1; ++t) {
+    __m256 y[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < MR; ++r) y[h][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* base = a.q + (t * G + g) * tile;
+      for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
+      __m256i acc[2][MR];
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_si256();
+      for (int p = 0; p < GROUP / 2; ++p) {
+        const __m128i* v = reinterpret_cast<const __m128i*>(base + 32 * p);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(v));      // rows 0..7
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1));  // rows 8..15
+        for (int r = 0; r < MR; ++r) {
+          const __m256i bx = broadcast4(xs + r * K + g * GROUP + 2 * p);
+          acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_madd_epi16(w0, bx));
+          acc[1][r] = _mm256_add_epi32(acc[1][r], _mm256_madd_epi16(w1, bx));
+        }
+      }
+      for (int h = 0; h < 2; ++h) epilogue<MR, LOW, F16>(a, t, g, h, acc[h], y[h]);
+    }
+    for (int h = 0; h < 2; ++h) store<MR>(a, t, h, y[h]);
+  }
+}
+
+template <int MR>
+void run_rows(const QGemm& a, int64_t t0, int64_t t1) {
+  dispatch_format(a, [&](auto P, auto BITS, auto LOW, auto F16) {
+    constexpr int bits = decltype(BITS)::value, group = 2 * decltype(P)::value;
+    constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
+    if constexpr (bits == 8)
+      run_bytes<MR, group, low, f16>(a, t0, t1);
+    else
+      run_nibbles<MR, bits, low, f16>(a, t0, t1);
+  });
+}
+
+}  // namespace
+
+void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int bits,
+                        int8_t* xq, float* xd, int32_t* xqs) {
+  // 4- and 5-bit weights: two int8 planes, each 8 k in the order 0, 4, 1, 5, 2, 6, 3, 7;
+  // 8-bit weights: x_q as int16 in k's order (the same 2K bytes a row)
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i lo = _mm256_set1_epi32(-kXMax), hi = _mm256_set1_epi32(kXMax);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const int64_t G = K / group;
+  const int n = group / 8;  // vectors of 8 a group: 2 or 4
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* x = xb + m * K + g * group;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int i = 0; i < n; ++i) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * i));
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float top = _mm_cvtss_f32(m4);
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? static_cast<float>(kXMax) / top : 0.f);
+      __m256i sum = _mm256_setzero_si256();
+      for (int i = 0; i < n; ++i) {  // round half to even (the default rounding mode)
+        const __m256 xi = bits == 8 ? v[i] : _mm256_permutevar8x32_ps(v[i], order);
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(xi, inv));
+        q = _mm256_max_epi32(lo, _mm256_min_epi32(q, hi));
+        sum = _mm256_add_epi32(sum, q);
+        alignas(32) int32_t qs[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qs), q);
+        if (bits == 8) {
+          int16_t* out = reinterpret_cast<int16_t*>(xq) + m * K + g * group + 8 * i;
+          for (int j = 0; j < 8; ++j) out[j] = static_cast<int16_t>(qs[j]);
+        } else {
+          int8_t* out = xq + 2 * m * K + g * group + 8 * i;
+          for (int j = 0; j < 8; ++j) {
+            const int high = (qs[j] + 64) >> 7;
+            out[j] = static_cast<int8_t>(high);
+            out[j + K] = static_cast<int8_t>(qs[j] - (high << 7));
+          }
+        }
+      }
+      xd[m * G + g] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN()
+                                              : top / static_cast<float>(kXMax);
+      alignas(32) int32_t s8[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
+      xqs[m * G + g] = s8[0] + s8[1] + s8[2] + s8[3] + s8[4] + s8[5] + s8[6] + s8[7];
+    }
+}
+
+void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) {
+  // rows in blocks of 4 (the accumulators of 4 fill the registers), tile by tile so that a
+  // tile's weights come from L1/L2 for the blocks after the first; each row's result is the
+  // same in any block
+  const int64_t G = a.K / a.group;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r0 = 0; r0 < a.M; r0 += 4) {
+      QGemm b = a;
+      b.M = std::min<int64_t>(4, a.M - r0);
+      b.xq = a.xq + 2 * r0 * a.K;
+      b.xd = a.xd + r0 * G;
+      b.xqs = a.xqs + r0 * G;
+      if (a.xsum) b.xsum = a.xsum + r0 * G;
+      // outputs: row r of the block at (r0 + r) * N; the kernels write r * N + 16 t
+      if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.N;
+      if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.N;
+      switch (b.M) {
+        case 1: run_rows<1>(b, t, t + 1); break;
+        case 2: run_rows<2>(b, t, t + 1); break;
+        case 3: run_rows<3>(b, t, t + 1); break;
+        default: run_rows<4>(b, t, t + 1); break;
+      }
+    }
+}
+
+}  // namespace clover
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else  // not x86-64: never selected (ops.cpp checks the CPU)
+#include "qgemm.h"
+namespace clover {
+void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) { qgemm_tiles_scalar(a, t0, t1); }
+void quantize_rows_avx2(const uint16_t*, int64_t, int64_t, int, int, int8_t*, float*, int32_t*) {}
+}  // namespace clover
+#endif
