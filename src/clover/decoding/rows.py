@@ -352,9 +352,9 @@ class SpecRow(Row):
     def _lookup(self) -> list[int]:
         """The context-lookup draft for the next pass ([] without lookup or a paying match).
         None on a row's first pass: that pass then has `ar`'s width (the prompt), so its rows
-        round as `ar`'s do; with integer dots every later pass of up to 4 tokens does too, and
-        int4 answers stay `ar`'s (drafts appended to the prompt pass made an AMX pass of
-        another width, whose rows sum in another order: one coder answer in 64 parted)."""
+        round as `ar`'s do; with integer dots every later pass of up to 4 tokens (16 on AVX2)
+        does too, and int4 answers stay `ar`'s (drafts appended to the prompt pass made an AMX
+        pass of another width, whose rows sum in another order: one coder answer in 64 parted)."""
         if self.context is None or not self.answer:
             return []
         room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
