@@ -103,62 +103,80 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
   }
 }
 
-// 4- and 5-bit levels (groups of 32), MR rows of x on two int8 planes
+// 4- and 5-bit levels (groups of 32), MR rows of x on two int8 planes. Up to 2 rows take
+// both halves of the tile at once (each broadcast of x then serves 16 weight rows); 3 or 4
+// rows, whose sums fill the registers, one half after the other.
 template <int MR, int BITS, bool LOW, bool F16>
 void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / 32;
   constexpr int64_t tile = BITS == 4 ? 256 : 320;
   constexpr int span = BITS == 4 ? 4 : 2;  // chunks summed in int16 before widening
+  constexpr int HN = MR <= 2 ? 2 : 1;      // halves a pass over the group
   const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t t = t0; t < t1; ++t)
-    for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7 of the tile
-      __m256 y[MR];
-      for (int r = 0; r < MR; ++r) y[r] = _mm256_setzero_ps();
+    for (int h0 = 0; h0 < 2; h0 += HN) {  // rows 8h..8h+7 of the tile, h = h0 + i
+      __m256 y[HN][MR];
+      for (int i = 0; i < HN; ++i)
+        for (int r = 0; r < MR; ++r) y[i][r] = _mm256_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* base = a.q + (t * G + g) * tile;
-        if (h == 0)  // the second half reads the lines the first one brought in
+        if (h0 == 0)  // a second half reads the lines the first one brought in
           for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
             _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
         const int8_t* x = a.xq + g * 32;  // row r: high plane at x + 2rK, low plane K after
-        __m256i acc[MR][2];  // int32 per row and plane
-        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        __m256i acc[HN][MR][2];  // int32 per half, row and plane
+        for (int i = 0; i < HN; ++i)
+          for (int r = 0; r < MR; ++r) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_si256();
         for (int c0 = 0; c0 < 4; c0 += span) {
-          __m256i part[MR][2];  // int16 sums over the span
-          for (int r = 0; r < MR; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
+          __m256i part[HN][MR][2];  // int16 sums over the span
+          for (int i = 0; i < HN; ++i)
+            for (int r = 0; r < MR; ++r) part[i][r][0] = part[i][r][1] = _mm256_setzero_si256();
           // a chunk at a time: unrolled, GCC hoisted all 64 products of a group ahead of
           // their sums and kept them on the stack
 #pragma GCC unroll 1
           for (int c = c0; c < c0 + span; ++c) {
-            const __m256i v =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * c + 32 * h));
-            __m256i lo = _mm256_and_si256(v, nib);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            if (BITS == 5) {  // levels + 16 in 0..31
-              const __m256i m = _mm256_broadcastsi128_si256(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 256 + 16 * c)));
-              lo = _mm256_or_si256(lo, h ? high16<1, false>(m) : high16<0, false>(m));
-              hi = _mm256_or_si256(hi, h ? high16<1, true>(m) : high16<0, true>(m));
+            __m256i lo[HN], hi[HN];
+            for (int i = 0; i < HN; ++i) {
+              const int h = h0 + i;
+              const __m256i v =
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * c + 32 * h));
+              lo[i] = _mm256_and_si256(v, nib);
+              hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+              if (BITS == 5) {  // levels + 16 in 0..31
+                const __m256i m = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 256 + 16 * c)));
+                lo[i] = _mm256_or_si256(lo[i], h ? high16<1, false>(m) : high16<0, false>(m));
+                hi[i] = _mm256_or_si256(hi[i], h ? high16<1, true>(m) : high16<0, true>(m));
+              }
             }
             for (int r = 0; r < MR; ++r)
               for (int pl = 0; pl < 2; ++pl) {
                 const int8_t* xp = x + (2 * r + pl) * K + 8 * c;
-                const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xp)),
-                                                   _mm256_maddubs_epi16(hi, broadcast4(xp + 4)));
-                part[r][pl] = _mm256_add_epi16(part[r][pl], d);
+                const __m256i xl = broadcast4(xp), xh = broadcast4(xp + 4);
+                for (int i = 0; i < HN; ++i) {
+                  const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xl),
+                                                     _mm256_maddubs_epi16(hi[i], xh));
+                  part[i][r][pl] = _mm256_add_epi16(part[i][r][pl], d);
+                }
               }
           }
-          for (int r = 0; r < MR; ++r)
-            for (int pl = 0; pl < 2; ++pl)
-              acc[r][pl] = _mm256_add_epi32(acc[r][pl], _mm256_madd_epi16(part[r][pl], ones));
+          for (int i = 0; i < HN; ++i)
+            for (int r = 0; r < MR; ++r)
+              for (int pl = 0; pl < 2; ++pl)
+                acc[i][r][pl] =
+                    _mm256_add_epi32(acc[i][r][pl], _mm256_madd_epi16(part[i][r][pl], ones));
         }
-        __m256i dot[MR];
-        for (int r = 0; r < MR; ++r) {
-          dot[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[r][0], 7), acc[r][1]);
-          if (BITS == 5) dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(16 * a.xqs[r * G + g]));
+        for (int i = 0; i < HN; ++i) {
+          __m256i dot[MR];
+          for (int r = 0; r < MR; ++r) {
+            dot[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[i][r][0], 7), acc[i][r][1]);
+            if (BITS == 5)
+              dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(16 * a.xqs[r * G + g]));
+          }
+          epilogue<MR, LOW, F16>(a, t, g, h0 + i, dot, y[i]);
         }
-        epilogue<MR, LOW, F16>(a, t, g, h, dot, y);
       }
-      store<MR>(a, t, h, y);
+      for (int i = 0; i < HN; ++i) store<MR>(a, t, h0 + i, y[i]);
     }
 }
 
