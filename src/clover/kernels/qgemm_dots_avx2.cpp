@@ -1,6 +1,7 @@
-// Integer-dot path for passes of 1 to 4 rows on AVX2 CPUs without AVX-512 (qgemm_vnni.cpp's
-// twin): the same x rounded to 15 bits per group, the same exact integer dots, the same float
-// epilogue in the same order, so a result here equals the VNNI path's to the bit. The float
+// Integer-dot path for passes of 1 to 16 rows on AVX2 CPUs without AVX-512 (qgemm_vnni.cpp's
+// twin, which takes 1 to 4): the same x rounded to 15 bits per group, the same exact integer
+// dots, the same float epilogue in the same order, so a result here equals the VNNI path's to
+// the bit. Rows go in blocks of up to 4 (their sums fill the 16 registers). The float
 // path (qgemm_avx2.cpp) widens every 4-bit level to float32 and spends ~4 instructions on each
 // 8 multiply-adds of one row; here 32 bytes of levels unpack into 64 bytes with three.
 //
