@@ -9,10 +9,11 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
   venv with the same sources reuses the build.
 - One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
   (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
-- Passes of 1 to 4 rows (an AR step, a short verify pass) round x to 15 bits per group, as two
-  int8 planes, and take exact integer dots (AVX-512 VNNI, else AVX2 `vpmaddubsw`, the same
-  results to the bit): ~1.6x faster on one row, and a row's result no longer depends on the
-  pass width. `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there.
+- Short passes (an AR step, a verify pass: 1 to 4 rows with VNNI, 1 to 16 on AVX2) round x
+  to 15 bits per group, as two int8 planes, and take exact integer dots (AVX-512 VNNI, else
+  AVX2 `vpmaddubsw`, the same results to the bit): ~1.6x faster on one row (2-3x on AVX2),
+  and a row's result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0` keeps
+  bfloat16 x there.
 - Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
   PyTorch's own kernels; a one-line notice says so once.
 """
@@ -138,7 +139,7 @@ def load() -> ModuleType | None:
     return module
 
 
-INT8_DOTS = 8  # added to a path: passes of 1 to 4 rows take integer dots (int8 planes of x)
+INT8_DOTS = 8  # added to a path: short passes take integer dots (int8_dots_rows says how short)
 
 
 def isa() -> int:

@@ -202,8 +202,8 @@ at::Tensor unpack_levels(const at::Tensor& q, int64_t bits, int64_t group, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &clover::best_isa, "3: AMX + AVX-512 BF16, 2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
   m.def("int8_dots_supported", &clover::int8_dots_supported,
-        "whether kernel paths of level 1 or more may add 8: integer dots for passes of 1 to 4 rows "
-        "(AVX-512 VNNI, else AVX2)");
+        "whether kernel paths of level 1 or more may add 8: integer dots for short passes "
+        "(AVX-512 VNNI: 1 to 4 rows, else AVX2: 1 to 16)");
   m.def("int8_dots_rows", &clover::int8_dots_rows,
         "passes of up to this many rows take integer dots on a kernel path (0: none)");
   m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");

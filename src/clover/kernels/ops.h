@@ -26,7 +26,8 @@ void group_sums(const uint16_t* xb, int64_t M, int64_t K, int64_t group, float* 
 int64_t best_isa();
 
 // A kernel path is an instruction-set level (0 portable, 1 AVX2, 2 AVX-512 BF16, 3 + AMX),
-// plus this flag where passes of 1 to 4 rows take integer dots on int8 planes of x
+// plus this flag where short passes (int8_dots_rows: 4 with VNNI, 16 on AVX2) take integer
+// dots on int8 planes of x
 // (qgemm_vnni.cpp)
 constexpr int64_t kInt8Dots = 8;
 inline int isa_level(int64_t isa) { return static_cast<int>(isa & 7); }

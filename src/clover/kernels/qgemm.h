@@ -79,7 +79,7 @@ void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
 // integer dots on two int8 planes of x (AVX-512 VNNI): 1 to 4 rows of x
 void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1);
-// the same dots on AVX2 (qgemm_dots_avx2.cpp), to the bit: 1 to 4 rows of x
+// the same dots on AVX2 (qgemm_dots_avx2.cpp), to the bit: any rows (qgemm_rows: up to 16)
 void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1);
 
 // xb [M, K] bfloat16 -> x_q [M, 2, K] (per group: x_q = round(x * 16256 / max |x|) as two int8

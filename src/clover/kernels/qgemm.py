@@ -162,8 +162,8 @@ def reference_matmul(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = No
 def reference_dots_matmul(
     x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """What the integer-dot path (`kernels.INT8_DOTS`, passes of 1 to 4 rows) computes, in
-    float64: x rounded to bfloat16, then per group of the weights' k to steps of
+    """What the integer-dot path (`kernels.INT8_DOTS`, passes of up to 4 or 16 rows) computes,
+    in float64: x rounded to bfloat16, then per group of the weights' k to steps of
     max |x| / 16256 (x_q = round(x * 16256 / max |x|), float32 as the kernel rounds), each
     group's exact dot with the levels times scale * step, plus low times the bfloat16 x's group
     sum. (The kernel splits x_q into two int8 planes; that split is exact.)"""
