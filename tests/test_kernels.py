@@ -78,10 +78,10 @@ def dot_isas() -> list[str]:
 @pytest.mark.parametrize("isa", dot_isas())
 @pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
 def test_int8_dots_match_their_reference(isa, kind, monkeypatch):
-    """Passes of 1 to 4 rows on the integer-dot path equal x rounded to 15 bits per group
-    times the levels, exactly summed (reference_dots_matmul), every format and scale type;
-    wider passes keep bfloat16 x. That second rounding (of the bfloat16 x) errs less than the
-    first one did, also in a group with one large value."""
+    """Passes of up to int8_dots_rows (4 with VNNI, 16 on AVX2) on the integer-dot path equal
+    x rounded to 15 bits per group times the levels, exactly summed (reference_dots_matmul),
+    every format and scale type; wider passes keep bfloat16 x. That second rounding (of the
+    bfloat16 x) errs less than the first one did, also in a group with one large value."""
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
     monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
     assert kernels.isa() & kernels.INT8_DOTS
@@ -115,8 +115,8 @@ def test_int8_dots_match_their_reference(isa, kind, monkeypatch):
 @pytest.mark.parametrize("isa", dot_isas())
 def test_int8_dots_give_each_row_the_same_result_in_any_pass(isa, monkeypatch):
     """Integer dots are exact, so a row's output does not depend on the rows beside it: an AR
-    step and each row of a verify pass of up to 4 agree to the bit (bfloat16 x on AMX sums
-    in another order for 3 rows or more)."""
+    step and each row of a verify pass as wide as the dots take agree to the bit (bfloat16 x
+    on AMX sums in another order for 3 rows or more)."""
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
     monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
     rows = kernels.load().int8_dots_rows(kernels.isa())

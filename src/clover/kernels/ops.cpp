@@ -44,25 +44,29 @@ int64_t best_isa() {
   return 0;
 }
 
-// integer dots: AVX-512 VNNI (qgemm_vnni.cpp) where the CPU has it, else AVX2
-// (qgemm_dots_avx2.cpp), the same results to the bit
-bool vnni_usable() {
+bool int8_dots_supported() { return best_isa() >= 1; }
+
+namespace {
+
+// integer dots on kernel path `isa`: AVX-512 VNNI (qgemm_vnni.cpp) from level 2 where the CPU
+// has it, else AVX2 (qgemm_dots_avx2.cpp), the same results to the bit
+bool dots_on_vnni(int64_t isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool ok = best_isa() >= 2 && __builtin_cpu_supports("avx512vnni");
-  return ok;
+  static const bool vnni = best_isa() >= 2 && __builtin_cpu_supports("avx512vnni");
+  return vnni && isa_level(isa) >= 2;
 #else
   return false;
 #endif
 }
 
-bool int8_dots_supported() { return best_isa() >= 1; }
+}  // namespace
 
 // VNNI: up to 4 (AMX's bfloat16 tiles cost as much from 3 rows on); AVX2: up to 16, where the
 // dots still cost 0.73-1.0x the float path (a 4864 x 896 matmul on a 2-core Zen 3, int4 /
 // int5 / int8: 0.32-0.57x at 1 row, 0.60-0.75x at 4, 0.77-0.81x at 8, 0.73-1.0x at 16)
 int64_t int8_dots_rows(int64_t isa) {
   if (!(isa & kInt8Dots)) return 0;
-  return isa_level(isa) >= 2 && vnni_usable() ? 4 : 16;
+  return dots_on_vnni(isa) ? 4 : 16;
 }
 
 namespace {
@@ -73,8 +77,8 @@ TileFn tile_fn(int64_t isa) {
   const int level = isa_level(isa);
   TORCH_CHECK(isa >= 0 && isa < 16 && level <= best_isa(), "kernel path ", isa,
               " not supported by this CPU");
-  TORCH_CHECK(!(isa & kInt8Dots) || (level >= 1 && int8_dots_supported()),
-              "integer dots (AVX2 or AVX-512 VNNI) not supported by this kernel path or CPU");
+  TORCH_CHECK(!(isa & kInt8Dots) || level >= 1,
+              "integer dots need AVX2 (kernel path level 1 or more)");
   return level == 3   ? qgemm_tiles_amx
          : level == 2 ? qgemm_tiles_avx512
          : level == 1 ? qgemm_tiles_avx2
@@ -154,7 +158,7 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   if (M <= int8_dots_rows(isa)) {
     const int64_t G = w.K / w.group;
     xq.resize(2 * M * w.K), xd.resize(M * G), xqs.resize(M * G);
-    const bool vnni = isa_level(isa) >= 2 && vnni_usable();
+    const bool vnni = dots_on_vnni(isa);
     (vnni ? quantize_rows : quantize_rows_avx2)(xb, M, w.K, static_cast<int>(w.group),
                                                 static_cast<int>(w.bits), xq.data(), xd.data(),
                                                 xqs.data());

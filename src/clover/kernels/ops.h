@@ -27,8 +27,7 @@ int64_t best_isa();
 
 // A kernel path is an instruction-set level (0 portable, 1 AVX2, 2 AVX-512 BF16, 3 + AMX),
 // plus this flag where short passes (int8_dots_rows: 4 with VNNI, 16 on AVX2) take integer
-// dots on int8 planes of x
-// (qgemm_vnni.cpp)
+// dots on int8 planes of x (qgemm_vnni.cpp, qgemm_dots_avx2.cpp)
 constexpr int64_t kInt8Dots = 8;
 inline int isa_level(int64_t isa) { return static_cast<int>(isa & 7); }
 bool int8_dots_supported();

@@ -82,6 +82,10 @@ void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1);
 // the same dots on AVX2 (qgemm_dots_avx2.cpp), to the bit: any rows (qgemm_rows: up to 16)
 void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1);
 
+// The integer-dot paths round x per group to x_q in -kXMax..kXMax (the high plane in
+// -127..127): both must use this one bound to agree to the bit.
+constexpr int kXMax = 127 * 128;
+
 // xb [M, K] bfloat16 -> x_q [M, 2, K] (per group: x_q = round(x * 16256 / max |x|) as two int8
 // planes, in the order qgemm_tiles_vnni reads for `bits`), d = max |x| / 16256 [M, G], sum of
 // x_q [M, G] (AVX-512)

@@ -36,8 +36,7 @@
 namespace clover {
 namespace {
 
-constexpr int kXMax = 127 * 128;  // as qgemm_vnni.cpp: x_q in -kXMax..kXMax
-constexpr int64_t kAhead = 8;     // groups of weights ahead to prefetch (qgemm_vnni.cpp)
+constexpr int64_t kAhead = 8;  // groups of weights ahead to prefetch (qgemm_vnni.cpp)
 
 CLOVER_INLINE __m256i broadcast4(const void* p) {
   int32_t v;
@@ -136,7 +135,10 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
           // their sums and kept them on the stack
 #pragma GCC unroll 1
           for (int c = c0; c < c0 + span; ++c) {
-            __m256i lo[HN], hi[HN];
+            __m256i lo[HN], hi[HN], m = _mm256_setzero_si256();
+            if (BITS == 5)  // the chunk's 4 pair masks of high bits, in both 128-bit lanes
+              m = _mm256_broadcastsi128_si256(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 256 + 16 * c)));
             for (int i = 0; i < HN; ++i) {
               const int h = h0 + i;
               const __m256i v =
@@ -144,8 +146,6 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
               lo[i] = _mm256_and_si256(v, nib);
               hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
               if (BITS == 5) {  // levels + 16 in 0..31
-                const __m256i m = _mm256_broadcastsi128_si256(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 256 + 16 * c)));
                 lo[i] = _mm256_or_si256(lo[i], h ? high16<1, false>(m) : high16<0, false>(m));
                 hi[i] = _mm256_or_si256(hi[i], h ? high16<1, true>(m) : high16<0, true>(m));
               }

@@ -31,10 +31,6 @@
 
 #include "qgemm.h"
 
-namespace clover {
-constexpr int kXMax = 127 * 128;  // x_q in -kXMax..kXMax: high plane in -127..127
-}  // namespace clover
-
 #if defined(__x86_64__) || defined(_M_X64)
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2,f16c,fma"))), apply_to = function)
