@@ -126,8 +126,13 @@ def test_configs_parse_and_round_trip():
     ]  # self_spec:4:mask is self_spec:4, dropped as a duplicate
     assert all(DecoderConfig.parse(c.name) == c for c in configs)
     assert configs[4].policy().draft == "lookup" and configs[4].settings(8).draft == "lookup"
+    fixed = parse_configs("self_spec:16:lookup+store:fixed,self_spec:4:mask:fixed")
+    assert [c.name for c in fixed] == ["self_spec:16:lookup+store:fixed", "self_spec:4:mask:fixed"]
+    assert all(DecoderConfig.parse(c.name) == c for c in fixed)
+    assert fixed[0].policy().adaptive is False and fixed[0].settings(8).policy().adaptive is False
+    assert configs[4].policy().adaptive is True
     for bad in ("beam:4", "low_confidence", "self_spec:x", "ar:4", "self_spec:4:ngram",
-                "low_confidence:4:lookup"):  # fmt: skip
+                "low_confidence:4:lookup", "self_spec:4:lookup:slide"):  # fmt: skip
         with pytest.raises(CloverError):
             DecoderConfig.parse(bad)
 

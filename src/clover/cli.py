@@ -30,6 +30,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter)")
+    p.add_argument("--store", action="append", metavar="PATH",
+                   help="seed the n-gram store that --draft lookup+store drafts from: a `clover "
+                   "data distill` set of this model or a text file (repeatable)")  # fmt: skip
     p.add_argument(
         "--dtype",
         default="auto",
@@ -117,6 +120,7 @@ def _load(a: argparse.Namespace, quiet: bool = False) -> object:
         device=getattr(a, "device", "cpu"),
         drafter=getattr(a, "drafter", None),
         wide=getattr(a, "gguf_wide", "int8"),
+        store=getattr(a, "store", None),
     )
     if getattr(a, "prefix_cache_mb", None) is not None:
         llm.set_prefix_cache(a.prefix_cache_mb)

@@ -39,15 +39,24 @@ class GenerationSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     refine_steps: int = 0  # self_spec: refinement passes over each fresh draft
-    draft: str | None = None  # self_spec draft source: mask, lookup or mask+lookup
+    draft: str | None = None  # self_spec draft source (policies.DRAFTS)
     slide: bool = False  # low_confidence: a sliding window instead of fixed blocks
+    # self_spec: context and store draft lengths follow this machine's pass costs (True) or
+    # are always the most the block allows (False: `fixed`)
+    adaptive: bool = True
     # makes a fresh LogitsConstraint for each answer (clover.decoding.constraints), or None
     constraint: Callable[[], object] | None = field(default=None, compare=False)
 
     def policy(self) -> Policy:
         """The decoding policy these settings ask for (after `LLM.default_settings`)."""
         return make_policy(
-            self.decoder, self.block_size, self.threshold, self.refine_steps, self.draft, self.slide
+            self.decoder,
+            self.block_size,
+            self.threshold,
+            self.refine_steps,
+            self.draft,
+            self.slide,
+            self.adaptive,
         )
 
 
@@ -105,6 +114,7 @@ class LLM:
         device: str = "cpu",
         drafter: str | Path | None = None,
         wide: str = "int8",
+        store: list[str | Path] | None = None,
     ) -> None:
         """wide (int4 from a GGUF): tensors the file stores wider than 4 bits (Q5_0, Q6_K,
         Q8_0) keep their 8-bit levels ("int8": exact) or are rounded to 4 bits ("int4": fewer
@@ -115,7 +125,9 @@ class LLM:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
         warm them up here at batch 1 (`warm_up`). device: cpu, cuda, cuda:N or auto
         (`resolve_device`): weights load on the CPU, then move; on a GPU, dtype auto is
-        bfloat16 (int4 and int8 are CPU kernels)."""
+        bfloat16 (int4 and int8 are CPU kernels). store: `clover data distill` sets of this
+        model or text files to seed its n-gram store with (`seed_store`), which
+        self_spec draft="lookup+store" drafts from."""
         t0 = time.perf_counter()
         loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device,
                       drafter=drafter, wide=wide)  # fmt: skip
@@ -125,10 +137,19 @@ class LLM:
         self.resolved, self.directory = loaded.resolved, loaded.directory
         self.adapter, self.drafter = loaded.adapter, loaded.drafter
         self.compiled = compile
+        if store:
+            self.seed_store(store)
         if compile:
             self.model.compile_causal()
             self.warm_up(rows=1)
         self.load_seconds = time.perf_counter() - t0
+
+    def seed_store(self, paths: list[str | Path]) -> int:
+        """Add `clover data distill` sets of this model (directories) and text files to the
+        model's n-gram store (decoding/store.py); -> the n-grams it now holds."""
+        from clover.decoding.store import seed_store
+
+        return len(seed_store(self.model, paths, self.name, self.tokenizer))
 
     def warm_up(self, rows: int = 1) -> None:
         """With `compile`: run the decoding loop as a first request of `rows` rows would, so

@@ -62,6 +62,13 @@ def _our_rss_key(dtype: str, compiled: bool) -> str:
     return f"clover {dtype}{' compiled' if compiled else ''}"
 
 
+def _store_record(llm: object) -> dict | None:
+    from clover.decoding.store import existing_store
+
+    store = existing_store(llm.model)
+    return None if store is None else store.describe()
+
+
 def cmd_speed(a: argparse.Namespace) -> int:
     import torch
 
@@ -78,6 +85,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         probe_rss,
         run_speed,
     )
+    from clover.decoding.store import existing_store
     from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
@@ -92,14 +100,20 @@ def cmd_speed(a: argparse.Namespace) -> int:
     llms: dict[str, object] = {}
     for dt in (a.dtypes or "auto,float32").split(","):
         llm = LLM(a.model, dtype=dt.strip(), progress=False, device=a.device,
-                  adapter=a.adapter, drafter=a.drafter)  # fmt: skip
+                  adapter=a.adapter, drafter=a.drafter, store=a.store)  # fmt: skip
         llms.setdefault(llm.dtype, llm)  # `auto` may resolve to float32 itself
     compiled = []
     if a.compile:  # a second, compiled copy per precision: rows side by side with eager
         for dt in list(llms):
             _log(f"compiling the causal passes at {dt} (slow the first time)")
             compiled.append(LLM(a.model, dtype=dt, progress=False, compile=True, device=a.device,
-                                adapter=a.adapter, drafter=a.drafter))  # fmt: skip
+                                adapter=a.adapter, drafter=a.drafter, store=a.store))  # fmt: skip
+    # the speed prompts repeat (reps, batches): a store that learned from one run's answers
+    # would draft the next run's from them; it stays at its seed
+    for llm in list(llms.values()) + compiled:
+        store = existing_store(llm.model)
+        if store is not None:
+            store.learning = False
     first = next(iter(llms.values()))
     device = first.device
     if device.type != "cpu":  # peers and RSS probes measure CPU processes: not side by side
@@ -162,6 +176,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
             "configs": [c.name for c in configs],
             "adapter": first.adapter,
             "drafter": a.drafter,
+            "store": _store_record(first),
             "precisions": {
                 "clover": list(llms),
                 "compiled": [llm.dtype for llm in compiled],
@@ -216,6 +231,7 @@ def format_speed(report: dict) -> str:
 
 def cmd_quality(a: argparse.Namespace) -> int:
     from clover.bench.quality import load_suite, run_quality
+    from clover.decoding.store import existing_store
     from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
@@ -223,7 +239,10 @@ def cmd_quality(a: argparse.Namespace) -> int:
         a.limit = a.limit or 8
     configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4,self_spec:4:lookup")
     items = load_suite(a.suite, limit=a.limit)
-    llm = LLM(a.model, dtype=a.dtype, progress=False, adapter=a.adapter, drafter=a.drafter)
+    llm = LLM(a.model, dtype=a.dtype, progress=False, adapter=a.adapter, drafter=a.drafter,
+              store=a.store)  # fmt: skip
+    if a.store_frozen and existing_store(llm.model) is not None:
+        existing_store(llm.model).learning = False
     reference = None
     if a.reference != "none":
         same = a.reference == a.model and a.reference_dtype == llm.dtype
@@ -377,6 +396,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="also rows with torch.compile'd causal passes, per precision")  # fmt: skip
     s.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     s.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs")
+    s.add_argument("--store", action="append", metavar="PATH",
+                   help="seed for self_spec:B:lookup+store: a `clover data distill` set of "
+                   "this model or a text file (repeatable); the store does not learn here "
+                   "(the prompts repeat)")  # fmt: skip
     s.add_argument("--no-plot", action="store_true")
     s.set_defaults(func=cmd_speed)
 
@@ -390,6 +413,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
     q.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     q.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs")
+    q.add_argument("--store", action="append", metavar="PATH",
+                   help="seed for self_spec:B:lookup+store: a `clover data distill` set of "
+                   "this model or a text file (repeatable)")  # fmt: skip
+    q.add_argument("--store-frozen", action="store_true",
+                   help="the store keeps its seed only (default: each setting's store also "
+                   "learns from its own earlier answers, as a server's would)")  # fmt: skip
     q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
     q.add_argument("--max-tokens", type=int, default=128)
     q.add_argument("--batch-size", type=int, default=8, help="items decoded together (8)")

@@ -4,8 +4,10 @@ results files.
 A config string is `decoder[:block[:threshold]]`: `ar`, `low_confidence:32:0.95`,
 `self_spec:4`; `low_confidence:4:0.9:slide` is the sliding window; a self_spec draft source
 other than the block's masks is a third field: `self_spec:4:lookup`,
-`self_spec:4:mask+lookup`. It is what the CLI takes and what the results files use as row
-names, so a row in a JSON file can be pasted back onto the command line.
+`self_spec:4:mask+lookup`, and a fourth, `fixed`, drafts the most the block allows instead of
+what this machine's pass costs make pay (`self_spec:16:lookup+store:fixed`). It is what the
+CLI takes and what the results files use as row names, so a row in a JSON file can be pasted
+back onto the command line.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class DecoderConfig:
     threshold: float = 0.95
     draft: str = "mask"  # self_spec only
     slide: bool = False  # low_confidence only: a sliding window
+    adaptive: bool = True  # self_spec only: False (`:fixed`) drafts the most the block allows
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
@@ -40,6 +43,8 @@ class DecoderConfig:
             raise CloverError("ar has no block size")
         if self.draft not in DRAFTS or (self.draft != "mask" and self.decoder != "self_spec"):
             raise CloverError(f"draft {self.draft!r}: self_spec takes one of {', '.join(DRAFTS)}")
+        if not self.adaptive and self.decoder != "self_spec":
+            raise CloverError("fixed draft lengths are a self_spec option")
 
     @classmethod
     def parse(cls, text: str) -> DecoderConfig:
@@ -52,14 +57,16 @@ class DecoderConfig:
                     raise ValueError(parts[3])
                 threshold = float(parts[2]) if len(parts) >= 3 else 0.95
                 return cls("low_confidence", int(parts[1]), threshold, slide=len(parts) == 4)
-            if parts[0] == "self_spec" and len(parts) in (2, 3):
-                draft = parts[2] if len(parts) == 3 else "mask"
-                return cls("self_spec", int(parts[1]), draft=draft)
+            if parts[0] == "self_spec" and len(parts) in (2, 3, 4):
+                if len(parts) == 4 and parts[3] != "fixed":
+                    raise ValueError(parts[3])
+                draft = parts[2] if len(parts) >= 3 else "mask"
+                return cls("self_spec", int(parts[1]), draft=draft, adaptive=len(parts) < 4)
         except ValueError:
             pass
         raise CloverError(
             f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD[:slide]] or "
-            f"self_spec:BLOCK[:{'|'.join(DRAFTS)}]"
+            f"self_spec:BLOCK[:{'|'.join(DRAFTS)}[:fixed]]"
         )
 
     @property
@@ -67,8 +74,8 @@ class DecoderConfig:
         if self.decoder == "ar":
             return "ar"
         if self.decoder == "self_spec":
-            tail = "" if self.draft == "mask" else f":{self.draft}"
-            return f"self_spec:{self.block_size}{tail}"
+            tail = "" if self.draft == "mask" and self.adaptive else f":{self.draft}"
+            return f"self_spec:{self.block_size}{tail}{'' if self.adaptive else ':fixed'}"
         tail = ":slide" if self.slide else ""
         return f"low_confidence:{self.block_size}:{self.threshold:g}{tail}"
 
@@ -82,13 +89,19 @@ class DecoderConfig:
             max_tokens=max_tokens,
             draft=self.draft,
             slide=self.slide,
+            adaptive=self.adaptive,
         )
 
     def policy(self) -> object:
         from clover.decoding.policies import make_policy
 
         return make_policy(
-            self.decoder, self.block_size, self.threshold, draft=self.draft, slide=self.slide
+            self.decoder,
+            self.block_size,
+            self.threshold,
+            draft=self.draft,
+            slide=self.slide,
+            adaptive=self.adaptive,
         )
 
 

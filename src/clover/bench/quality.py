@@ -30,6 +30,7 @@ import torch
 
 from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
+from clover.decoding.store import existing_store
 from clover.errors import CloverError
 
 KINDS = ("code", "math", "fact", "open")
@@ -176,9 +177,16 @@ def run_quality(
     }
     traces: dict[str, dict] = {}
     trace_at = next((i for i, it in enumerate(items) if it["kind"] == "open"), 0)
+    # the model's n-gram store (self_spec draft="lookup+store") learns from finished answers:
+    # each config keeps what its own answers taught it, never another config's (same items)
+    store = existing_store(llm.model)
+    learned: dict[str, list] = {c.name: [] for c in configs}
     for start in range(0, len(items), batch_size):
         batch = list(range(start, min(start + batch_size, len(items))))
         for config in configs:  # interleaved: every config answers this batch in turn
+            if store is not None:
+                store.forget_learned()
+                store.relearn(learned[config.name])
             completions: list = []
             t0 = time.perf_counter()
             # cold prefills: an answer must not depend on which items ran before
@@ -187,6 +195,8 @@ def run_quality(
             for _ in llm.stream(batch_prompts, settings, completions, cached=False):
                 pass
             seconds = time.perf_counter() - t0
+            if store is not None:
+                learned[config.name] = store.forget_learned()
             tot = totals[config.name]
             tot["seconds"] += seconds
             for i, c in zip(batch, completions):
@@ -238,6 +248,7 @@ def run_quality(
             "batch_size": batch_size,
             "items": len(items),
             "items_per_kind": {k: sum(it["kind"] == k for it in items) for k in KINDS},
+            "store": None if store is None else store.describe(),
             "code_limits": {"timeout_s": code_timeout, "memory_mb": code_memory_mb},
             "reference": getattr(reference, "name", None),
             "reference_dtype": getattr(reference, "dtype", None),

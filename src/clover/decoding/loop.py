@@ -33,6 +33,7 @@ from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
 from clover.decoding.sampling import SamplingParams
+from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 from clover.models.base import DiffusionLM
 
@@ -168,6 +169,8 @@ class BatchDecoder:
             if policy.adaptive and (row.context is not None or row.uses_drafter):
                 row.costs = self._pass_costs(row.uses_drafter)
                 row.share_acceptance(self.model)
+            if "store" in policy.draft:
+                row.store = model_store(self.model)
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()
@@ -341,6 +344,7 @@ class BatchDecoder:
         event = StepEvent(self.step_count, [], {}, {}, n_rows, T * len(active), 0.0)
         rollback = torch.zeros(len(active), dtype=torch.long)
         keep, start = [], 0
+        store = existing_store(model)
         for k, r in enumerate(active):
             row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
             start += counts[k]
@@ -361,6 +365,8 @@ class BatchDecoder:
                 keep.append(k)
                 continue
             r.result.tokens = final
+            if store is not None:  # later answers may draft from this one
+                store.learn(r.prompt + final)
             r.result.steps = r.answer_steps[: len(final)]
             if len(r.result.steps) < len(final):  # ended mid-block by the caller's stop
                 r.result.steps += r.block_steps[: len(final) - len(r.result.steps)]

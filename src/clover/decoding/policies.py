@@ -75,7 +75,7 @@ class LowConfidence(Policy):
         return confidence >= self.threshold
 
 
-DRAFTS = ("mask", "lookup", "mask+lookup", "drafter", "drafter+lookup")
+DRAFTS = ("mask", "lookup", "mask+lookup", "drafter", "drafter+lookup", "lookup+store")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class SelfSpec(Policy):
     in the next pass (fused with the next draft), keep exactly what AR decoding would.
     `draft` is where drafts come from: the masked block ("mask"), earlier occurrences of the
     current suffix in prompt + answer ("lookup"), or a context match when there is one and
-    the block otherwise ("mask+lookup"); see `rows.SpecRow`."""
+    the block otherwise ("mask+lookup"), or a context match and else the model's n-gram store
+    of earlier text ("lookup+store", `store.NgramStore`); see `rows.SpecRow`."""
 
     block_size: int = 32
     refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified
@@ -118,15 +119,20 @@ def make_policy(
     refine_steps: int = 0,
     draft: str = "mask",
     slide: bool = False,
+    adaptive: bool = True,
 ) -> Policy:
     if slide and name != "low_confidence":
         raise CloverError(f"slide is a low_confidence option (the decoder here is {name})")
+    if not adaptive and name != "self_spec":
+        raise CloverError(f"fixed draft lengths are a self_spec option (the decoder is {name})")
     if name == "ar":
         return Policy()
     if name == "low_confidence":
         return LowConfidence(block_size=block_size, threshold=threshold, slide=slide)
     if name == "self_spec":
-        return SelfSpec(block_size=block_size, refine_steps=refine_steps, draft=draft)
+        return SelfSpec(
+            block_size=block_size, refine_steps=refine_steps, draft=draft, adaptive=adaptive
+        )
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")
 
 

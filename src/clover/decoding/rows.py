@@ -33,6 +33,7 @@ drops it and decodes as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from clover.decoding.constraints import LogitsConstraint, pick
 from clover.decoding.costs import Acceptance, PassCosts, best_length, shared_acceptance
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, filtered_probs, sample
+
+if TYPE_CHECKING:
+    from clover.decoding.store import NgramStore
 
 MASKED = -1
 
@@ -324,11 +328,16 @@ class SpecRow(Row):
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self._from_context = False  # the planned pass's draft came from a context lookup
         self.context = NgramIndex(self.pending) if "lookup" in self.policy.draft else None
+        # draft="lookup+store": the model's n-gram store (decoding/store.py; the loop sets it)
+        # drafts where the row's own context has no match
+        self.store: NgramStore | None = None
+        self._source = ""  # where the planned pass's draft came from
         self.uses_drafter = "drafter" in self.policy.draft  # drafts set by the loop's drafter
         # the machine's pass costs (decoding/costs.py), set by the loop when the policy adapts
         # its draft lengths; then each source's acceptance decides how far to draft
         self.costs: PassCosts | None = None
         self.acceptance = {"lookup": Acceptance(NgramIndex.LONG),
+                           "store": Acceptance(self.policy.block_size - 1),
                            "drafter": Acceptance(self.policy.block_size - 1)}  # fmt: skip
 
     def share_acceptance(self, model: object) -> None:
@@ -358,11 +367,20 @@ class SpecRow(Row):
         if self.context is None or not self.answer:
             return []
         room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
+        most = min(self.policy.block_size - 1, room)
+        self._source = "lookup"
         if self.costs is None:  # fixed: block_size - 1 drafted tokens at most
-            return self.context.draft(min(self.policy.block_size - 1, room))
-        # long matches may draft far; as far as this machine and these matches pay
-        found = self.context.draft(min(self.policy.block_size - 1, room), room)
-        return found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
+            found = self.context.draft(most)
+        else:  # long matches may draft far; as far as this machine and these matches pay
+            found = self.context.draft(most, room)
+            found = found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
+        if found or self.store is None:
+            return found
+        self._source = "store"  # no paying match in the row's own text: earlier text's guess
+        found = self.store.draft(self.context.tokens, most)
+        if self.costs is None:
+            return found
+        return found[: best_length(self.acceptance["store"].p, self.costs, len(found))]
 
     def drafter_length(self) -> int:
         """How many tokens the drafter should draft for the next pass (0: none, also when the
@@ -426,7 +444,8 @@ class SpecRow(Row):
         else:
             accepted, token = self._verify_sampled(verify, sampling)
         if self.draft:
-            source = "lookup" if self._from_context else "drafter" if self.uses_drafter else "mask"
+            source = "drafter" if self.uses_drafter else "mask"
+            source = self._source if self._from_context else source
             tally = self.result.drafts.setdefault(source, [0, 0])
             tally[0] += len(self.draft)
             tally[1] += accepted

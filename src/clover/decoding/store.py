@@ -1,0 +1,192 @@
+"""Drafts from earlier text: a store of token n-grams and the tokens that followed them.
+
+A row's own context (prompt + answer, `rows.NgramIndex`) drafts only what it already
+contains. Much of what a model writes it has written before in other answers: the opening of
+a code block, "Here is a", a signature's tail, a docstring's shape. `NgramStore` keeps, for
+every 2-, 3- and 4-token n-gram of the text it was given, how often each next token followed
+it; a draft follows the longest known suffix of the current text to the token that followed
+it most often, while that token followed it in at least half of the cases, one token at a
+time. Verification keeps only what the target itself writes, so whatever the store holds the
+answers stay lossless; what it holds decides only how many drafts survive.
+
+The decode loop keeps one store per loaded model (`model_store`), fed with every finished
+row's prompt and answer, so a server's later answers draft from its earlier ones; it can be
+seeded with a `clover data distill` set of the same model or with text files
+(`seed_store`). Retrieval drafting from a datastore follows REST (He et al. 2023,
+"REST: Retrieval-Based Speculative Decoding"); ours is an in-memory n-gram table.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from clover.errors import CloverError
+
+
+class NgramStore:
+    """n-gram -> {next token: count}, for n in ORDERS; drafts by majority, longest first."""
+
+    ORDERS = (4, 3, 2)  # longest first: a longer match is the better guess
+
+    def __init__(self, max_tokens: int = 1_000_000) -> None:
+        self.after: dict[tuple[int, ...], dict[int, int]] = {}
+        self.tokens = 0  # tokens added so far
+        self.max_tokens = max_tokens  # past this, `add` keeps nothing more (memory)
+        self.sequences = 0
+        self.learning = True  # finished rows feed the store (`learn`)
+        self.learned: list[list[int]] = []  # what `learn` added, which `forget_learned` drops
+
+    def add(self, tokens: list[int]) -> list[int]:
+        """Count every n-gram of `tokens` with the token after it (as far as `max_tokens`
+        leaves room); -> the tokens counted."""
+        tokens = [int(t) for t in tokens[: max(0, self.max_tokens - self.tokens)]]
+        self._count(tokens, 1)
+        self.tokens += len(tokens)
+        self.sequences += 1 if tokens else 0
+        return tokens
+
+    def learn(self, tokens: list[int]) -> None:
+        """A finished row's prompt + answer, unless learning is off."""
+        if self.learning:
+            counted = self.add(tokens)
+            if counted:
+                self.learned.append(counted)
+
+    def forget_learned(self) -> list[list[int]]:
+        """Back to what was added with `add` alone; -> what `learn` had added (benchmarks run
+        each setting from the same store: what one setting's answers taught must not help
+        another's, `relearn` gives a setting back its own)."""
+        for tokens in self.learned:
+            self._count(tokens, -1)
+            self.tokens -= len(tokens)
+            self.sequences -= 1
+        dropped, self.learned = self.learned, []
+        return dropped
+
+    def relearn(self, sequences: list[list[int]]) -> None:
+        """Add `sequences` as learned (what `forget_learned` returned), learning on or off."""
+        for tokens in sequences:
+            counted = self.add(tokens)
+            if counted:
+                self.learned.append(counted)
+
+    def _count(self, tokens: list[int], sign: int) -> None:
+        for j in range(1, len(tokens)):
+            nxt = tokens[j]
+            for n in self.ORDERS:
+                if j >= n:
+                    key = tuple(tokens[j - n : j])
+                    counts = self.after.setdefault(key, {})
+                    c = counts.get(nxt, 0) + sign
+                    if c > 0:
+                        counts[nxt] = c
+                    else:
+                        counts.pop(nxt, None)
+                        if not counts:
+                            del self.after[key]
+
+    def next_token(self, context: list[int]) -> int | None:
+        """The token that most often followed the longest n-gram ending `context` that the
+        store knows, if it did in at least half of that n-gram's occurrences."""
+        for n in self.ORDERS:
+            if len(context) < n:
+                continue
+            counts = self.after.get(tuple(context[-n:]))
+            if counts:
+                token, best = max(counts.items(), key=lambda kv: kv[1])
+                return token if 2 * best >= sum(counts.values()) else None
+        return None
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens, each the store's guess after the context and the guesses before
+        it; stops at the first position it has no majority guess for."""
+        out: list[int] = []
+        tail = list(context[-max(self.ORDERS) :])
+        while len(out) < k:
+            token = self.next_token(tail)
+            if token is None:
+                break
+            out.append(token)
+            tail = tail[1:] + [token]
+        return out
+
+    def describe(self) -> dict:
+        """What a results file records: the seed's size and whether answers teach it."""
+        seeded = self.tokens - sum(len(t) for t in self.learned)
+        return {"seed_tokens": seeded, "seed_sequences": self.sequences - len(self.learned),
+                "learning": self.learning}  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.after)
+
+
+_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_store(model: torch.nn.Module) -> NgramStore:
+    """The store of `model` in this process (made on first use)."""
+    store = _STORES.get(model)
+    if store is None:
+        store = _STORES[model] = NgramStore()
+    return store
+
+
+def existing_store(model: torch.nn.Module) -> NgramStore | None:
+    """`model`'s store if a row has used one (then finished rows feed it), else None."""
+    return _STORES.get(model)
+
+
+def _distilled_sequences(directory: Path, model_name: str) -> Iterable[list[int]]:
+    meta_path = directory / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CloverError(f"{directory}: not a `clover data distill` set ({e})") from None
+    teacher = meta.get("teacher")
+    if teacher != model_name:
+        raise CloverError(
+            f"{directory} was distilled from {teacher!r}, not {model_name!r}: its token ids "
+            "belong to another tokenizer or model"
+        )
+    with open(directory / "distill.jsonl") as fh:
+        for line in fh:
+            if line.strip():
+                r = json.loads(line)
+                yield list(r["prompt_ids"]) + list(r["answer_ids"])
+
+
+def seed_store(
+    model: torch.nn.Module, paths: Iterable[str | Path], model_name: str, tokenizer: object
+) -> NgramStore:
+    """Add to `model`'s store: `clover data distill` directories of this model (prompt +
+    answer ids as written), and text files (encoded with `tokenizer`, no special tokens).
+    Checks every path before adding any, so bad input adds nothing."""
+    sources: list[tuple[str, Path]] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            if not (p / "distill.jsonl").is_file():
+                raise CloverError(f"{p}: a directory must be a `clover data distill` set")
+            sources.append(("distill", p))
+        elif p.is_file():
+            sources.append(("text", p))
+        else:
+            raise CloverError(f"store seed {p}: no such file or directory")
+    seqs: list[list[int]] = []
+    for kind, p in sources:
+        if kind == "distill":
+            seqs += list(_distilled_sequences(p, model_name))
+        else:
+            try:
+                text = p.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CloverError(f"store seed {p}: cannot read it as UTF-8 text ({e})") from None
+            seqs.append(list(tokenizer.encode(text, split_special_tokens=False)))
+    store = model_store(model)
+    for s in seqs:
+        store.add(s)
+    return store
