@@ -336,3 +336,23 @@ def test_bench_passes_breakdown_on_a_tiny_quantized_model():
     report["machine"] = {"torch_threads": torch.get_num_threads()}
     assert "block 3" in format_passes(report)
     assert measure_machine(0.01)["bandwidth_gb_s"] > 0
+
+
+def test_quality_keeps_each_settings_store_to_its_own_answers(llm):
+    """`ar` answers every item first; a lookup+store setting must not draft from `ar`'s
+    answer to the same item (nor from another store setting's): with one item its store has
+    learned nothing of its own yet, so it drafts nothing from the store."""
+    from clover.decoding.store import existing_store
+
+    configs = parse_configs("self_spec:4:lookup+store:fixed,self_spec:8:lookup+store:fixed")
+    out = run_quality(llm, configs, ITEMS[3:4], max_tokens=12, batch_size=1)
+    for name in ("self_spec:4:lookup+store:fixed", "self_spec:8:lookup+store:fixed"):
+        assert "store" not in out["summary"][name]["drafts"]
+        assert out["summary"][name]["agreement_with_ar"] == 1.0
+    store = existing_store(llm.model)
+    assert store.learned == [] and store.tokens == 0  # the run leaves the store as it found it
+    assert out["settings"]["store"] == {"seed_tokens": 0, "seed_sequences": 0, "learning": True}
+    # two items: the second may draft from the first answer of the same setting
+    out = run_quality(llm, configs, [ITEMS[3], ITEMS[3]], max_tokens=12, batch_size=1)
+    drafts = out["summary"]["self_spec:4:lookup+store:fixed"]["drafts"]["store"]
+    assert drafts["drafted"] > 0 and drafts["kept"] == drafts["drafted"]

@@ -85,7 +85,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         probe_rss,
         run_speed,
     )
-    from clover.decoding.store import existing_store
+    from clover.decoding.store import existing_store, model_store
     from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
@@ -111,6 +111,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
     # the speed prompts repeat (reps, batches): a store that learned from one run's answers
     # would draft the next run's from them; it stays at its seed
     for llm in list(llms.values()) + compiled:
+        if any("store" in c.draft for c in configs):
+            model_store(llm.model)  # made now: its first rows' answers must not feed it
         store = existing_store(llm.model)
         if store is not None:
             store.learning = False

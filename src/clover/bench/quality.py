@@ -30,7 +30,7 @@ import torch
 
 from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
-from clover.decoding.store import existing_store
+from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 
 KINDS = ("code", "math", "fact", "open")
@@ -179,6 +179,8 @@ def run_quality(
     trace_at = next((i for i, it in enumerate(items) if it["kind"] == "open"), 0)
     # the model's n-gram store (self_spec draft="lookup+store") learns from finished answers:
     # each config keeps what its own answers taught it, never another config's (same items)
+    if any("store" in c.draft for c in configs):
+        model_store(llm.model)  # made now, not by the first such row: others' answers feed it
     store = existing_store(llm.model)
     learned: dict[str, list] = {c.name: [] for c in configs}
     for start in range(0, len(items), batch_size):
