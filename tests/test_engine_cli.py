@@ -216,3 +216,19 @@ def test_the_decoding_loop_runs_on_the_models_device():
     assert torch.empty(0).device.type == "cpu"  # only for the call
     probe.device = torch.device("cpu")
     assert probe.where().type == "cpu"
+
+
+def test_cli_generate_lookup_store_is_ar_and_checks_its_seed(tiny_checkpoint, tmp_path, capsys):
+    args = ["generate", "-m", str(tiny_checkpoint), "-p", "a b c d", "--json", "--max-tokens",
+            "12", "--dtype", "float32"]  # fmt: skip
+    assert main(args + ["--decoder", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    seed = tmp_path / "seed.txt"
+    seed.write_text("a b c d e f g " * 20)
+    spec_args = ["--decoder", "self_spec", "--block-size", "4", "--draft", "lookup+store"]
+    assert main(args + spec_args + ["--store", str(seed)]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["text"] == ar["text"] and spec["draft"] == "lookup+store"
+    assert main(args + spec_args + ["--store", str(tmp_path / "missing.txt")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.txt: no such file" in err

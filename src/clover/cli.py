@@ -26,13 +26,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, store: bool = True) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter)")
-    p.add_argument("--store", action="append", metavar="PATH",
-                   help="seed the n-gram store that --draft lookup+store drafts from: a `clover "
-                   "data distill` set of this model or a text file (repeatable)")  # fmt: skip
+    if store:
+        p.add_argument(
+            "--store",
+            action="append",
+            metavar="PATH",
+            help="seed the n-gram store that --draft lookup+store drafts from: a `clover data "
+            "distill` set of this model or a text file (repeatable)",
+        )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -590,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_cache)
     data = sub.add_parser("data", help="training data").add_subparsers(dest="data", required=True)
     d = data.add_parser("distill", help="self-distillation: the base model answers our prompts")
-    _model_args(d)
+    _model_args(d, store=False)  # distillation decodes ar: no drafts
     d.add_argument("--out", required=True, help="output directory (resumable)")
     d.add_argument("--prompts", type=int, default=2000, help="how many prompts (2000)")
     d.add_argument("--max-tokens", type=int, default=192)
