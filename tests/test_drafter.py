@@ -657,3 +657,27 @@ def test_loss_over_the_draft_vocabulary(tiny_checkpoint, data, tmp_path, loss):
     train_drafter(run, progress=False)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+def test_warm_cache_keeps_the_features_a_training_batch_computes(tiny_checkpoint, data):
+    """The pass before the first step (records of similar lengths together) keeps, per record,
+    the features its own padded training batch computes; a budget that can't hold them all
+    leaves the cache to the first epoch."""
+    from clover.engine import LLM
+    from clover.train.drafter import FeatureCache, load_sets, target_features, warm_cache
+
+    target = LLM(str(tiny_checkpoint), dtype="float32", progress=False).model
+    cfg = drafter_config(tiny_checkpoint, data, "unused")
+    train, _, _ = load_sets(cfg)
+    layers = [0, 1]
+    cache = FeatureCache(1.0)
+    assert warm_cache(target, train, layers, cfg.max_len, cache, tokens=64)
+    assert set(cache.rows) == {r["id"] for r in train}
+    batch = train[:5]  # one training batch: padded to its longest record
+    feats, n, _ = target_features(target, batch, layers, cfg.max_len)
+    for i, r in enumerate(batch):
+        kept = cache.get(r["id"])
+        assert kept.shape[0] == int(n[i])
+        torch.testing.assert_close(kept.float(), feats[i, : int(n[i])], atol=2e-2, rtol=1e-2)
+    small = FeatureCache(cache.used / 2e9)
+    assert not warm_cache(target, train, layers, cfg.max_len, small) and not small.rows

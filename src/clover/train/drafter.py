@@ -197,6 +197,39 @@ def target_features(
     return feats, n, ids
 
 
+def warm_cache(
+    target: torch.nn.Module, records: list[dict], layers: list[int], max_len: int,
+    cache: FeatureCache, tokens: int = 4096, progress: bool = False,
+) -> bool:  # fmt: skip
+    """Fill `cache` with every record's features before the first step, when its budget holds
+    them all: the target runs over records of similar lengths together (random training
+    batches of a distilled set pad to ~1.5x its tokens) in passes of about `tokens` tokens.
+    Returns whether it did; otherwise the first epoch fills the cache as it goes."""
+    width = len(layers) * target.config.hidden_size
+    lengths = {r["id"]: min(max_len, len(r["prompt_ids"]) + len(r["answer_ids"])) for r in records}
+    todo = [r for r in records if cache.get(r["id"]) is None]
+    todo.sort(key=lambda r: lengths[r["id"]])
+    if cache.used + sum(lengths[r["id"]] for r in todo) * width * 2 > cache.budget:
+        return False
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="target features", unit="record")
+    i = 0
+    while i < len(todo):
+        j = i + 1
+        while j < len(todo) and (j + 1 - i) * lengths[todo[j]["id"]] <= tokens:
+            j += 1
+        target_features(target, todo[i:j], layers, max_len, cache)
+        if bar is not None:
+            bar.update(j - i)
+        i = j
+    if bar is not None:
+        bar.close()
+    return True
+
+
 def block_starts(records: list[dict], n: torch.Tensor, S: int, rng: random.Random) -> torch.Tensor:
     """[N, S] positions p where a block begins: its first token is an answer token (or the
     first one the target writes) with at least one token after it to predict."""
@@ -407,6 +440,9 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     recent: collections.deque = collections.deque(maxlen=51)  # seconds at the last steps
     planned = cfg.steps if step == 0 else max(cfg.steps, state.get("planned", cfg.steps))
     stop_at = min(cfg.steps, until or cfg.steps)
+    if step < stop_at:  # the box counts this pass too
+        warm_cache(target, train + heldout + unseen, drafter.config.feature_layers, cfg.max_len,
+                   features, progress=progress)  # fmt: skip
     last: dict = {}
     while step < stop_at:
         for group in opt.param_groups:
@@ -430,8 +466,8 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         now = time.perf_counter() - start
         recent.append(now)
         if cfg.max_minutes is not None and len(recent) > 10 and step % 10 == 0:
-            # refit the schedule to end in the box, at the pace of the last 50 steps: the
-            # first epoch runs the target too, later ones read its kept features (~2x faster)
+            # refit the schedule to end in the box, at the pace of the last 50 steps (a first
+            # epoch that runs the target too is slower than later ones reading its features)
             pace = (recent[-1] - recent[0]) / (len(recent) - 1)
             fit = step + int((cfg.max_minutes * 60 - now) / pace)
             cfg = replace(cfg, steps=max(step + 1, min(planned, fit)))
