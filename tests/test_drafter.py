@@ -249,6 +249,25 @@ def test_drafter_drafts_are_lossless_batched(draft, adaptive):
     # rows mostly take AR steps (test_costs.py tests the choice itself)
 
 
+def test_drafter_lookup_store_drafts_are_lossless_batched():
+    """drafter+lookup+store: a context match, else the n-gram store, else the drafter drafts;
+    float32 greedy answers stay ar's, batched, with store and drafter drafts both verified."""
+    from clover.decoding.policies import SelfSpec
+    from clover.decoding.store import model_store
+
+    model = attached(tiny_model(seed=3))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    ar = decoded(model, prompts, "ar", 24)
+    store = model_store(model)
+    store.add(prompts[1] + ar[1].tokens)  # the store knows one answer, and a wrong copy of one
+    store.add(prompts[2] + [t + 1 for t in ar[2].tokens])
+    policy = SelfSpec(block_size=4, draft="drafter+lookup+store", adaptive=False)
+    spec = decoded(model, prompts, policy, 24)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert any("store" in r.drafts for r in spec) and any("drafter" in r.drafts for r in spec)
+    assert spec[1].drafts["store"][1] > 0  # the known answer's drafts were kept
+
+
 def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
     """drafter+lookup: a context match takes the next pass, so the drafter does not draft for
     it (a drafter pass whose draft is thrown away costs as much as one that is verified):

@@ -75,7 +75,10 @@ class LowConfidence(Policy):
         return confidence >= self.threshold
 
 
-DRAFTS = ("mask", "lookup", "mask+lookup", "drafter", "drafter+lookup", "lookup+store")
+DRAFTS = (
+    "mask", "lookup", "mask+lookup", "drafter", "drafter+lookup", "lookup+store",
+    "drafter+lookup+store",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class SelfSpec(Policy):
     `draft` is where drafts come from: the masked block ("mask"), earlier occurrences of the
     current suffix in prompt + answer ("lookup"), or a context match when there is one and
     the block otherwise ("mask+lookup"), or a context match and else the model's n-gram store
-    of earlier text ("lookup+store", `store.NgramStore`); see `rows.SpecRow`."""
+    of earlier text ("lookup+store", `store.NgramStore`), or a context match, else the store,
+    else the drafter ("drafter+lookup+store"); see `rows.SpecRow`."""
 
     block_size: int = 32
     refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified
