@@ -128,6 +128,30 @@ def test_int8_dots_give_each_row_the_same_result_in_any_pass(isa, monkeypatch):
             assert torch.equal(w.matmul(x[:M], out_bf16=False), alone[:M]), (kind, M)
 
 
+@pytest.mark.skipif("avx2" not in dot_isas(), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("kind", ["int4", "int8g16", "int8low", "int5", "int5low"])
+def test_wide_avx2_passes_match_the_reference_and_give_each_row_one_result(kind, monkeypatch):
+    """Passes wider than the integer dots take on AVX2 (qgemm_tiles_wide_avx2: float32 weights
+    per tile, blocks of 6 rows, 96-row chunks, k in blocks of 256) equal the exact reference,
+    and a row's result is the same in any wide pass, wherever it sits in it."""
+    monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx2")
+    K = 320  # one k block and a part
+    for f16 in (True, False):
+        w = random_weight(kind, 48, K, f16, seed=1)
+        bias = torch.randn(48)
+        x = torch.randn(203, K)
+        out = w.matmul(x, bias, out_bf16=False)
+        ref = reference_matmul(x, w, bias)
+        tol = 1e-5 * float((x.abs() @ w.dequantized().abs().t()).max() + 1)
+        assert (out.double() - ref).abs().max() < tol, (kind, f16)
+        for lo, hi in ((0, 17), (5, 28), (100, 203), (186, 203)):
+            part = w.matmul(x[lo:hi], bias, out_bf16=False)
+            assert torch.equal(part, out[lo:hi]), (kind, f16, lo, hi)
+        half = w.matmul(x.to(torch.bfloat16), bias)
+        assert torch.equal(half, out.to(torch.bfloat16))
+
+
 @pytest.mark.skipif("avx512" not in dot_isas(), reason="no AVX-512 VNNI on this CPU")
 def test_int8_dots_on_avx2_equal_vnni_to_the_bit(monkeypatch):
     """The AVX2 dots sum the same integers and run the same float epilogue in the same order

@@ -164,6 +164,8 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
                                                 xqs.data());
     a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();
     fn = vnni ? qgemm_tiles_vnni : qgemm_tiles_dots_avx2;
+  } else if ((isa & kInt8Dots) && isa_level(isa) == 1) {
+    fn = qgemm_tiles_wide_avx2;  // wider passes: float32 weights, rows in registers
   }
   if (M > 0) at::parallel_for(0, w.N / 16, 1, [&](int64_t t0, int64_t t1) { fn(a, t0, t1); });
 }

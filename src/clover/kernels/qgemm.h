@@ -75,6 +75,8 @@ inline void dispatch_format(const QGemm& a, F&& f) {
 // Output tiles [t0, t1) (16 columns each), every row of x. One per instruction set.
 void qgemm_tiles_scalar(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1);
+// AVX2 passes wider than the integer dots take: float32 weights per tile, rows in registers
+void qgemm_tiles_wide_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
 // integer dots on two int8 planes of x (AVX-512 VNNI): 1 to 4 rows of x
