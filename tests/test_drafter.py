@@ -700,3 +700,35 @@ def test_warm_cache_keeps_the_features_a_training_batch_computes(tiny_checkpoint
         torch.testing.assert_close(kept.float(), feats[i, : int(n[i])], atol=2e-2, rtol=1e-2)
     small = FeatureCache(cache.used / 2e9)
     assert not warm_cache(target, train, layers, cfg.max_len, small) and not small.rows
+
+
+def test_kept_features_are_read_back_instead_of_running_the_target(
+    tiny_checkpoint, data, tmp_path, monkeypatch
+):
+    """warm_cache(keep=DIR) saves each pass's features; a resumed run reads them (the target
+    does not run) and gets the same tensors; features of other layers are made again."""
+    from clover.engine import LLM
+    from clover.train import drafter as training
+
+    target = LLM(str(tiny_checkpoint), dtype="float32", progress=False).model
+    cfg = drafter_config(tiny_checkpoint, data, "unused")
+    train, _, _ = training.load_sets(cfg)
+    first = training.FeatureCache(1.0)
+    keep = tmp_path / "features"
+    assert training.warm_cache(target, train, [0, 1], cfg.max_len, first, tokens=64, keep=keep,
+                               dtype="float32")  # fmt: skip
+    assert len(list(keep.glob("part-*.safetensors"))) > 1
+    calls = []
+    real = training.target_features
+    counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(training, "target_features", counted)
+    again = training.FeatureCache(1.0)
+    assert training.warm_cache(target, train, [0, 1], cfg.max_len, again, keep=keep,
+                               dtype="float32")  # fmt: skip
+    assert not calls and set(again.rows) == set(first.rows)
+    assert all(torch.equal(again.get(k), first.get(k)) for k in first.rows)
+    other = training.FeatureCache(1.0)  # other layers: the kept ones are replaced
+    assert training.warm_cache(target, train, [1], cfg.max_len, other, keep=keep,
+                               dtype="float32")  # fmt: skip
+    assert calls and other.get(train[0]["id"]).shape[-1] == target.config.hidden_size
+    assert json.loads((keep / "meta.json").read_text())["layers"] == [1]
