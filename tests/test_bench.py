@@ -356,3 +356,19 @@ def test_quality_keeps_each_settings_store_to_its_own_answers(llm):
     out = run_quality(llm, configs, [ITEMS[3], ITEMS[3]], max_tokens=12, batch_size=1)
     drafts = out["summary"]["self_spec:4:lookup+store:fixed"]["drafts"]["store"]
     assert drafts["drafted"] > 0 and drafts["kept"] == drafts["drafted"]
+
+
+def test_quality_times_the_pass_costs_before_any_setting(llm, monkeypatch, tmp_path):
+    """A first cost measurement (~7 s on the coder 0.5B) must not land in the seconds of the
+    first adaptive self_spec setting: run_quality measures the tables before it times."""
+    from clover.decoding import costs
+
+    events = []
+    real_measure, real_stream = costs.measure, llm.stream
+    monkeypatch.setattr(costs, "costs_path", lambda key: tmp_path / f"{key}.json")  # none known
+    measured = lambda *a, **k: events.append("measure") or real_measure(*a, **k)  # noqa: E731
+    monkeypatch.setattr(costs, "measure", measured)
+    monkeypatch.setattr(llm, "stream", lambda *a, **k: events.append("run") or real_stream(*a, **k))
+    configs = parse_configs("self_spec:4:lookup")
+    run_quality(llm, configs, ITEMS[3:4], max_tokens=8, batch_size=1)
+    assert events[0] == "measure" and "measure" not in events[1:] and "run" in events

@@ -30,6 +30,7 @@ import torch
 
 from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
+from clover.decoding.costs import model_costs
 from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 
@@ -182,6 +183,10 @@ def run_quality(
     if any("store" in c.draft for c in configs):
         model_store(llm.model)  # made now, not by the first such row: others' answers feed it
     store = existing_store(llm.model)
+    for c in configs:  # this machine's pass costs, timed now if they are not known yet (a
+        # first timing took ~7 s of the coder's first self_spec setting's seconds)
+        if c.decoder == "self_spec" and c.adaptive and c.draft != "mask":
+            model_costs(llm.model, drafter="drafter" in c.draft)
     learned: dict[str, list] = {c.name: [] for c in configs}
     for start in range(0, len(items), batch_size):
         batch = list(range(start, min(start + batch_size, len(items))))

@@ -205,3 +205,11 @@ def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> 
     tmp.write_text(json.dumps({"verify_ms": costs.verify_ms, "draft_ms": costs.draft_ms}))
     tmp.replace(path)
     return costs
+
+
+def model_costs(model: torch.nn.Module, drafter: bool = False) -> PassCosts:
+    """The table the decode loop reads for `model` (with its attached drafter's passes when
+    `drafter`); `clover bench` calls it before timing anything, so that a first measurement
+    does not land in a setting's seconds."""
+    label = str(getattr(model, "quantized_head", None) is not None)
+    return cached_costs(model, label, model.drafter if drafter else None)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from clover.decoding.constraints import LogitsConstraint
-from clover.decoding.costs import PassCosts, cached_costs, relax_shared
+from clover.decoding.costs import PassCosts, model_costs, relax_shared
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
@@ -191,10 +191,7 @@ class BatchDecoder:
     def _pass_costs(self, drafter: bool) -> PassCosts:
         """This machine's pass costs for the model (and its drafter), measured on first use."""
         if drafter not in self._costs:
-            label = str(getattr(self.model, "quantized_head", None) is not None)
-            self._costs[drafter] = cached_costs(
-                self.model, label, self.model.drafter if drafter else None
-            )
+            self._costs[drafter] = model_costs(self.model, drafter)
         return self._costs[drafter]
 
     def _start(self, row: Row, cache: object, dcache: object = None) -> None:
