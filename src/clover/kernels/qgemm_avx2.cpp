@@ -78,6 +78,21 @@ CLOVER_INLINE __m256 pair_f32(const float* x) {
   return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x)));
 }
 
+// 8 bfloat16 values -> float32 at `out` (32-byte aligned): shift into the high half
+CLOVER_INLINE void bf16x8_to_f32(const uint16_t* x, float* out) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  _mm256_store_ps(out, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+}
+
+// output (m, n) = v + bias, as float32 or bfloat16
+CLOVER_INLINE void put(const QGemm& a, int64_t m, int64_t n, float v) {
+  if (a.bias) v += a.bias[n];
+  if (a.out_f32)
+    a.out_f32[m * a.N + n] = v;
+  else
+    a.out_bf16[m * a.N + n] = to_bf16(v);
+}
+
 // y (row, parity lanes) += scale * acc (+ low * sum of the group's x) for one row
 template <bool LOW>
 CLOVER_INLINE void add_group(float* yr, const __m256* acc, const __m256* s, const __m256* l,
@@ -107,13 +122,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
         __m256 s[4], l[4];
         load_dup<F16>(a.scales, at, false, s);
         if (LOW) load_dup<F16>(a.scales, at + 16, true, l);
-        for (int64_t r = 0; r < mc; ++r) {  // bfloat16 -> float32: shift into the high half
+        for (int64_t r = 0; r < mc; ++r) {
           const uint16_t* x = a.xb + (m0 + r) * K + g * a.group;
-          for (int64_t i = 0; i < 2 * P; i += 8) {
-            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-            _mm256_store_ps(xf + r * 2 * P + i,
-                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
-          }
+          for (int64_t i = 0; i < 2 * P; i += 8) bf16x8_to_f32(x + i, xf + r * 2 * P + i);
         }
         const float* xsum = LOW ? a.xsum + m0 * G + g : nullptr;
         if (mc == 1) {  // decode: unpack into registers, used by the one row
@@ -177,17 +188,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
             add_group<LOW>(y + 32 * (r0 + r), acc[r], s, l, LOW ? xsum[(r0 + r) * G] : 0.f);
         }
       }
-      for (int64_t r = 0; r < mc; ++r) {
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t n = 16 * t + i;
-          float v = y[32 * r + 2 * i] + y[32 * r + 2 * i + 1];
-          if (a.bias) v += a.bias[n];
-          if (a.out_f32)
-            a.out_f32[(m0 + r) * a.N + n] = v;
-          else
-            a.out_bf16[(m0 + r) * a.N + n] = to_bf16(v);
-        }
-      }
+      for (int64_t r = 0; r < mc; ++r)
+        for (int64_t i = 0; i < 16; ++i)
+          put(a, m0 + r, 16 * t + i, y[32 * r + 2 * i] + y[32 * r + 2 * i + 1]);
     }
   }
 }
@@ -220,7 +223,8 @@ CLOVER_INLINE void to_panel(const __m256* w, float* even) {
 // take 12 accumulators + 2 weights + 1 broadcast of the 16 registers, and inlined into the
 // int5 kernel it lost some to the unpacking's constants (3x slower there)
 template <int R>
-__attribute__((noinline)) void block_rows(const float* panel, int64_t kc, const float* x, float* y) {
+__attribute__((noinline)) void block_rows(const float* panel, int64_t kc, const float* x,
+                                          float* y) {
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
@@ -251,13 +255,9 @@ void run_wide(const QGemm& a, int64_t t0, int64_t t1) {
     std::fill(y.begin(), y.end(), 0.f);
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);  // a multiple of the group: of 8
-      for (int64_t r = 0; r < mc; ++r) {  // bfloat16 -> float32: shift into the high half
+      for (int64_t r = 0; r < mc; ++r) {
         const uint16_t* x = a.xb + (m0 + r) * K + k0;
-        for (int64_t i = 0; i < kc; i += 8) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-          _mm256_store_ps(xf + r * kKc + i,
-                          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
-        }
+        for (int64_t i = 0; i < kc; i += 8) bf16x8_to_f32(x + i, xf + r * kKc + i);
       }
       for (int64_t t = t0; t < t1; ++t) {
         for (int64_t g = k0 / a.group; g < (k0 + kc) / a.group; ++g) {
@@ -291,15 +291,8 @@ void run_wide(const QGemm& a, int64_t t0, int64_t t1) {
     }
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r = 0; r < mc; ++r)
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t n = 16 * t + i;
-          float v = y[((t - t0) * kMc + r) * 16 + i];
-          if (a.bias) v += a.bias[n];
-          if (a.out_f32)
-            a.out_f32[(m0 + r) * a.N + n] = v;
-          else
-            a.out_bf16[(m0 + r) * a.N + n] = to_bf16(v);
-        }
+        for (int64_t i = 0; i < 16; ++i)
+          put(a, m0 + r, 16 * t + i, y[((t - t0) * kMc + r) * 16 + i]);
   }
 }
 

@@ -216,9 +216,12 @@ def warm_cache(
     Returns whether it did; otherwise the first epoch fills the cache as it goes."""
     width = len(layers) * target.config.hidden_size
     lengths = {r["id"]: min(max_len, len(r["prompt_ids"]) + len(r["answer_ids"])) for r in records}
-    if cache.used + sum(lengths.values()) * width * 2 > cache.budget:
+    missing = sum(n for key, n in lengths.items() if cache.get(key) is None)
+    if cache.used + missing * width * 2 > cache.budget:
         return False
     if keep is not None:
+        from safetensors.torch import save_file
+
         from clover.models.drafter import fingerprint
 
         meta = {"target": fingerprint(target), "dtype": dtype, "layers": list(layers),
@@ -238,8 +241,6 @@ def warm_cache(
             j += 1
         target_features(target, todo[i:j], layers, max_len, cache)
         if keep is not None:
-            from safetensors.torch import save_file
-
             part = {r["id"]: cache.get(r["id"]).contiguous() for r in todo[i:j]}
             tmp = keep / f".part-{todo[i]['id']}.tmp"
             save_file(part, str(tmp))
