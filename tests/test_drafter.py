@@ -95,6 +95,26 @@ def test_decode_path_equals_training_path():
                 torch.testing.assert_close(one[0], both[row, s], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_narrow_training_pass_equals_the_first_positions_of_the_whole_block(layers):
+    """train_hidden(width=w) runs the last layer for the first w block positions only; the
+    outputs equal the whole block's first w (the other positions still serve as keys)."""
+    model = tiny_model()
+    drafter = drafter_for(model)
+    drafter.layers = drafter.layers[:layers]
+    feats = torch.randn(2, 11, 2 * model.config.hidden_size)
+    embed = model.model.embed_tokens
+    n, starts = torch.tensor([11, 8]), torch.tensor([[2, 6, 9], [1, 3, 8]])
+    first = torch.tensor([[1, 5, 3], [2, 7, 4]])
+    with torch.no_grad():
+        whole = drafter.train_hidden(feats, n, first, starts, embed)
+        for width in (1, 2, 3):
+            narrow = drafter.train_hidden(feats, n, first, starts, embed, width)
+            assert narrow.shape == (2, 3, width, model.config.hidden_size)
+            torch.testing.assert_close(narrow, whole[:, :, :width], rtol=1e-5, atol=1e-6)
+        assert torch.equal(drafter.train_hidden(feats, n, first, starts, embed, 4), whole)
+
+
 def test_drafter_file_round_trip_and_wrong_target(tmp_path):
     model = tiny_model()
     drafter = drafter_for(model)
@@ -477,6 +497,41 @@ def test_init_from_target_starts_the_drafter_as_the_target_s_last_layer():
     narrow = new_drafter(model, "tiny", feature_layers=[0, 1], intermediate_size=16)
     with pytest.raises(CloverError, match="width, heads and MLP"):
         init_from_target(narrow, model, feats)
+
+
+def test_drafter_training_from_a_drafter_file_and_on_the_first_positions(tiny_checkpoint, data,
+                                                                         tmp_path):  # fmt: skip
+    """init: <file> starts from its weights and draft vocabulary (at lr 0 the written drafter
+    is the file's); another shape or no file is a clear error; loss_positions trains on the
+    first drafts only while the held-out measure still reads whole blocks."""
+    from clover.train.drafter import train_drafter
+
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "a", steps=6, layers=1,
+                         feature_layers=[0], loss_positions=2, eval_every=6)  # fmt: skip
+    last = train_drafter(cfg, progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["accepted"] <= 2 for x in lines) and lines[-1]["loss"] < lines[0]["loss"]
+    assert "accepted" in last["heldout"]
+    first = tmp_path / "a" / "drafter.safetensors"
+    again = drafter_config(tiny_checkpoint, data, tmp_path / "b", steps=2, layers=1, lr=0.0,
+                           feature_layers=[0], init=str(first), draft_vocab=0)  # fmt: skip
+    train_drafter(again, progress=False)
+    a, b = load_drafter(first), load_drafter(tmp_path / "b" / "drafter.safetensors")
+    for name, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[name]), name
+    assert (a.vocab is None) == (b.vocab is None)
+    if a.vocab is not None:
+        assert torch.equal(a.vocab, b.vocab)
+    wide = drafter_config(tiny_checkpoint, data, tmp_path / "c", steps=2, layers=2,
+                          feature_layers=[0], init=str(first))  # fmt: skip
+    with pytest.raises(CloverError, match="num_hidden_layers 1"):
+        train_drafter(wide, progress=False)
+    gone = drafter_config(tiny_checkpoint, data, tmp_path / "d", steps=2, layers=1,
+                          feature_layers=[0], init=str(tmp_path / "none.safetensors"))  # fmt: skip
+    with pytest.raises(CloverError, match="no drafter file"):
+        train_drafter(gone, progress=False)
+    with pytest.raises(CloverError, match="loss_positions"):
+        drafter_config(tiny_checkpoint, data, tmp_path / "x", loss_positions=-1)
 
 
 def test_drafter_training_from_the_target_s_layers(tiny_checkpoint, data, tmp_path):

@@ -145,18 +145,23 @@ class DrafterAttention(nn.Module):
         out = attend(q, k, v, layout, cache, rope)  # block slots are scratch past the context
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def train_forward(
-        self, h: torch.Tensor, kv_ctx: tuple, rope: tuple, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """h [N, S, D] blocks; kv_ctx: context k, v [N, Hkv, L, Dh]; mask [N, 1, S, L + S]."""
+    def train_forward(self, h: torch.Tensor, kv_ctx: tuple, rope: tuple, mask: torch.Tensor,
+                      queries: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """h [N, S, D] blocks; kv_ctx: context k, v [N, Hkv, L, Dh]; mask [N, 1, S, L + S];
+        queries: the positions of h whose outputs are wanted (None: all of them), [N, Q, D]."""
         N, S, _ = h.shape
-        q, k, v = self._qkv(h)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        x = h if queries is None else h[:, queries]
+        q = self._heads(x, self.q_proj, self.nq, self.q_norm)
+        k = self._heads(h, self.k_proj, self.nkv, self.k_norm)
+        v = self._heads(h, self.v_proj, self.nkv)
+        q_rope = rope if queries is None else tuple(r[:, :, queries] for r in rope)
+        q, k = apply_rope(q, *q_rope), apply_rope(k, *rope)
         k, v = torch.cat([kv_ctx[0], k], 2), torch.cat([kv_ctx[1], v], 2)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.nq != self.nkv
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(N, S, -1))
+            q, k, v, attn_mask=mask if queries is None else mask[:, :, queries],
+            enable_gqa=self.nq != self.nkv,
+        )  # fmt: skip
+        return self.o_proj(out.transpose(1, 2).reshape(N, x.shape[1], -1))
 
 
 class DrafterLayer(nn.Module):
@@ -247,10 +252,14 @@ class Drafter(nn.Module):
     # --- training: many blocks of a sequence at once ------------------------------------------
 
     def train_hidden(self, features: torch.Tensor, n_context: torch.Tensor, first: torch.Tensor,
-                     starts: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:  # fmt: skip
+                     starts: torch.Tensor, embed: nn.Embedding, width: int | None = None,
+                     ) -> torch.Tensor:  # fmt: skip
         """features [N, L, k * D] of N sequences (n_context[n] of them real); blocks: starts
         [N, S] (block s begins at position starts[n, s] with token first[n, s]) -> hidden
-        [N, S, B, D]. Block s sees context positions < starts[n, s] and its own B positions."""
+        [N, S, width, D] of each block's first `width` positions (None: all B). Block s sees
+        context positions < starts[n, s] and its own B positions; a narrower width computes
+        the last layer's queries, output projection and MLP for those positions only (the
+        same values: the block's other positions are still its keys and values)."""
         N, L, _ = features.shape
         S, B = starts.shape[1], self.config.block_size
         c = self.context(features)
@@ -267,11 +276,15 @@ class Drafter(nn.Module):
         key_blk = (blk[:, None] == blk[None, :])[None].expand(N, -1, -1)  # [N, S*B, S*B]
         mask = torch.cat([key_ctx, key_blk], -1)[:, None]  # [N, 1, S*B, L + S*B]
         h = self.block_inputs(first.reshape(-1), embed, B).reshape(N, S * B, -1)
-        for layer in self.layers:
+        width = B if width is None else min(width, B)
+        wanted = None if width == B else (torch.arange(S * B) % B < width).nonzero()[:, 0]
+        for i, layer in enumerate(self.layers):
+            queries = wanted if i == len(self.layers) - 1 else None
             kv = layer.self_attn.context_kv(c, rope_ctx)
-            h = h + layer.self_attn.train_forward(layer.input_layernorm(h), kv, rope, mask)
+            x = h if queries is None else h[:, queries]
+            h = x + layer.self_attn.train_forward(layer.input_layernorm(h), kv, rope, mask, queries)
             h = layer.mlp_residual(h)
-        return self.norm(h).reshape(N, S, B, -1)
+        return self.norm(h).reshape(N, S, width, -1)
 
 
 def new_drafter(target: nn.Module, target_name: str, **overrides: object) -> Drafter:

@@ -67,8 +67,15 @@ class DrafterTrainConfig:
     # 0.5B's 2,938 answers on 2 cores; ~2.3 GB there)
     keep_features: bool = True
     # "target": the drafter's layers start as copies of the target's last layers
-    # (models/drafter.py `init_from_target`); "random": from scratch
+    # (models/drafter.py `init_from_target`); "random": from scratch; or a drafter file
+    # (`*.safetensors`, for this target, of the same shape): its weights and draft vocabulary,
+    # with a fresh optimizer and schedule (to train a finished drafter further or on new data)
     init: str = "random"
+    # score only the first this-many drafted positions of each block (0: all B - 1). The last
+    # layer then runs its queries, output projection and MLP for those positions only (for
+    # one layer, most of a step's work): 8 of 15 halves that work, and leaves out positions
+    # that weigh exp(-8 / decay) or less (0.14 at decay 4) and that drafts rarely reach
+    loss_positions: int = 0
     # draft from this many token ids (`draft_vocabulary`), a multiple of 16; 0, or the
     # target's vocabulary size or more: from all of it. Training's loss reads all of it
     draft_vocab: int = 16384
@@ -80,8 +87,12 @@ class DrafterTrainConfig:
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
             raise CloverError(f"loss must be kl or ce, got {self.loss!r}")
-        if self.init not in ("random", "target"):
-            raise CloverError(f"init must be random or target, got {self.init!r}")
+        if self.init not in ("random", "target") and not str(self.init).endswith(".safetensors"):
+            raise CloverError(
+                f"init must be random, target or a drafter file (.safetensors), got {self.init!r}"
+            )
+        if not isinstance(self.loss_positions, int) or self.loss_positions < 0:
+            raise CloverError(f"loss_positions must be an int >= 0, got {self.loss_positions!r}")
         if not 1 <= self.layers <= 8:
             raise CloverError("layers must be 1..8 (a drafter is a few layers)")
         if self.steps < 1 or self.batch_size < 1 or self.blocks_per_sequence < 1:
@@ -318,9 +329,13 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     renormalised over the rest); a position with none of them left weighs nothing."""
     feats, n, ids, starts, records = (batch[k] for k in ("feats", "n", "ids", "starts", "records"))
     N, S = starts.shape
+    # B: the block positions scored (the first is the verified token), all of the block's or
+    # the first 1 + loss_positions
     B = drafter.config.block_size
+    if cfg.loss_positions:
+        B = min(B, cfg.loss_positions + 1)
     first = ids.gather(1, starts)
-    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens)  # [N,S,B,D]
+    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens, B)  # [N,S,B,D]
     # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
     # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
     logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
@@ -389,7 +404,8 @@ def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, recor
             )
             starts = fixed_starts(chunk, n, cfg.blocks_per_sequence)
             batch = {"feats": feats, "n": n, "ids": ids, "starts": starts, "records": chunk}
-            _, info = drafter_loss(drafter, target, head, batch, replace(cfg, loss="ce"), rows)
+            every = replace(cfg, loss="ce", loss_positions=0)  # drafts as long as the block
+            _, info = drafter_loss(drafter, target, head, batch, every, rows)
             runs.append(info["accepted"])
             first.append(info["top1"])
     drafter.train()
@@ -422,6 +438,25 @@ def _save(
     save_drafter(drafter, Path(cfg.drafter_file or out / "drafter.safetensors"))
 
 
+def start_from_file(drafter: object, target: torch.nn.Module, path: Path) -> None:
+    """`init: <drafter file>`: the drafter takes the file's weights and draft vocabulary; the
+    file must be a drafter of this target (its fingerprint) of the same shape."""
+    from clover.models.drafter import load_drafter
+
+    if not path.is_file():
+        raise CloverError(f"init: no drafter file at {path}")
+    other = load_drafter(path, target)
+    c, o = drafter.config, other.config
+    shape = ("num_hidden_layers", "block_size", "feature_layers", "hidden_size", "head_dim",
+             "intermediate_size", "num_attention_heads", "num_key_value_heads")  # fmt: skip
+    differ = [f"{k} {getattr(o, k)} (config: {getattr(c, k)})" for k in shape
+              if getattr(o, k) != getattr(c, k)]  # fmt: skip
+    if differ:
+        raise CloverError(f"init: {path} is another shape of drafter: {', '.join(differ)}")
+    drafter.load_state_dict({k: v.float() for k, v in other.state_dict().items()})
+    drafter.set_vocab(other.vocab)
+
+
 def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | None = None) -> dict:
     """Train (or continue) a drafter; `until` stops at that step as a killed run would."""
     from clover.engine import LLM
@@ -446,6 +481,9 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         overrides["feature_layers"] = list(cfg.feature_layers)
     drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
     drafter.set_vocab(draft_vocabulary(train, drafter.config.vocab_size, cfg.draft_vocab))
+    ckpt = out / "checkpoint" / "state.pt"
+    if cfg.init.endswith(".safetensors") and not ckpt.exists():
+        start_from_file(drafter, target, Path(cfg.init))
     head, rows = head_weight(target), None
     if cfg.loss_vocab == "draft" and drafter.vocab is not None:  # the head's rows it drafts from
         rows = drafter.vocab.to(head.device)
@@ -453,7 +491,6 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     step, order, elapsed = 0, [], 0.0
-    ckpt = out / "checkpoint" / "state.pt"
     if cfg.init == "target" and not ckpt.exists():  # calibrated on the first training batch
         first = [train[i] for i in range(min(len(train), cfg.batch_size))]
         feats, _, _ = target_features(target, first, drafter.config.feature_layers, cfg.max_len)
