@@ -3,6 +3,7 @@
 import json
 import math
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -787,3 +788,34 @@ def test_kept_features_are_read_back_instead_of_running_the_target(
                                dtype="float32")  # fmt: skip
     assert calls and other.get(train[0]["id"]).shape[-1] == target.config.hidden_size
     assert json.loads((keep / "meta.json").read_text())["layers"] == [1]
+
+
+def test_drafter_curve_chains_a_continued_run(tmp_path):
+    """benchmarks/drafter_curve.py: steps and minutes add up across runs, the feature pass is
+    the time before the first step at the steps' pace, a resumed run's repeated steps count
+    once."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "drafter_curve.py"
+    spec = importlib.util.spec_from_file_location("drafter_curve", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, offset, init in (("a", 600.0, "random"), ("b", 300.0, "a/drafter.safetensors")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"init": init}))
+        lines = [{"step": s, "loss": 5.0 - s / 100, "accepted": s / 100,
+                  "seconds": offset + 2.0 * s} for s in range(1, 201)]  # fmt: skip
+        lines[99]["heldout"] = {"accepted": 0.5}
+        lines[-1]["heldout"] = {"accepted": 0.75}
+        lines[-1]["heldout_kinds"] = {"accepted": 0.25}
+        lines.insert(50, dict(lines[45]))  # a resumed run repeats steps after its checkpoint
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = mod.curve([tmp_path / "a", tmp_path / "b"])
+    assert out["steps"] == 400 and out["minutes"] == round((1000 + 700) / 60, 1)
+    assert [r["seconds_before_first_step"] for r in out["runs"]] == [600, 300]
+    assert [e["step"] for e in out["evals"]] == [100, 200, 300, 400]
+    assert out["evals"][-1]["heldout_kinds"] == 0.25 and out["evals"][1]["heldout"] == 0.75
+    assert len(out["loss_by_100_steps"]) == 4
+    with pytest.raises(SystemExit, match="not a drafter run"):
+        mod.curve([tmp_path / "none"])
