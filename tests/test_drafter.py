@@ -523,6 +523,19 @@ def test_drafter_training_from_a_drafter_file_and_on_the_first_positions(tiny_ch
     assert (a.vocab is None) == (b.vocab is None)
     if a.vocab is not None:
         assert torch.equal(a.vocab, b.vocab)
+    # a stopped run started from a file continues with the file's draft vocabulary, not the
+    # one its config would make from the data
+    small = drafter_config(tiny_checkpoint, data, tmp_path / "s", steps=2, layers=1,
+                           feature_layers=[0], draft_vocab=32)  # fmt: skip
+    train_drafter(small, progress=False)
+    small_file = tmp_path / "s" / "drafter.safetensors"
+    more = drafter_config(tiny_checkpoint, data, tmp_path / "m", steps=4, layers=1,
+                          feature_layers=[0], draft_vocab=48, init=str(small_file))  # fmt: skip
+    train_drafter(more, progress=False, until=2)
+    train_drafter(more, progress=False)
+    want = load_drafter(small_file).vocab
+    assert want is not None and len(want) == 32
+    assert torch.equal(load_drafter(tmp_path / "m" / "drafter.safetensors").vocab, want)
     wide = drafter_config(tiny_checkpoint, data, tmp_path / "c", steps=2, layers=2,
                           feature_layers=[0], init=str(first))  # fmt: skip
     with pytest.raises(CloverError, match="num_hidden_layers 1"):

@@ -482,8 +482,8 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
     drafter.set_vocab(draft_vocabulary(train, drafter.config.vocab_size, cfg.draft_vocab))
     ckpt = out / "checkpoint" / "state.pt"
-    if cfg.init.endswith(".safetensors") and not ckpt.exists():
-        start_from_file(drafter, target, Path(cfg.init))
+    if cfg.init.endswith(".safetensors"):  # its draft vocabulary in a resumed run too (a
+        start_from_file(drafter, target, Path(cfg.init))  # checkpoint's weights replace its own)
     head, rows = head_weight(target), None
     if cfg.loss_vocab == "draft" and drafter.vocab is not None:  # the head's rows it drafts from
         rows = drafter.vocab.to(head.device)
