@@ -7,6 +7,7 @@ import sys
 import threading
 
 import httpx
+import pytest
 
 from clover.engine import LLM
 from clover.serving.options import ServeOptions
@@ -63,3 +64,58 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
     assert done.returncode == 1
     assert done.stderr.startswith("error: ") and "no such file or directory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_store_save_keeps_what_answers_taught_across_restarts(tmp_path):
+    """--store-save: the first server's answer is in the file when it stops; the next server
+    learns it again at start (and drafts from it), and rewrites nothing it did not learn."""
+    from clover.decoding.store import existing_store, read_saved
+
+    checkpoint = write_checkpoint(tmp_path, 256)
+    saved = tmp_path / "store.jsonl"
+    llms: list[LLM] = []
+
+    def loader() -> LLM:
+        llms.append(LLM(str(checkpoint), dtype="float32", progress=False))
+        return llms[-1]
+
+    options = ServeOptions(model=str(checkpoint), store_save=str(saved), store_save_every=30)
+    with serve_in_thread(options, loader) as url:
+        assert not saved.exists()  # nothing learned yet: nothing written
+        assert httpx.post(f"{url}/v1/chat/completions", json=ASK).status_code == 200
+    first = read_saved(saved, llms[0].name)
+    assert len(first) == 1 and first == existing_store(llms[0].model).learned
+    stamp = saved.stat().st_mtime_ns
+    with serve_in_thread(options, loader):
+        assert existing_store(llms[1].model).learned == first
+    assert saved.stat().st_mtime_ns == stamp
+
+
+def test_store_options_are_checked_before_the_socket_opens(tmp_path, monkeypatch):
+    import clover.serving.server
+    from clover.cli import main
+    from clover.decoding.store import NgramStore, save_learned
+    from clover.errors import CloverError
+
+    other = tmp_path / "notes.txt"
+    other.write_text("not a store")
+    kept = tmp_path / "kept.jsonl"
+    save_learned(NgramStore(), kept, "tiny")
+    bad = [
+        ({"store": (str(tmp_path / "missing"),)}, "--store .*no such file"),
+        ({"store_save": str(tmp_path)}, "must be a file in an existing directory"),
+        ({"store_save": str(tmp_path / "no" / "s.jsonl")}, "in an existing directory"),
+        ({"store_save": str(other)}, "refusing to overwrite it"),
+        ({"store": (str(other),), "store_save": str(other)}, "refusing"),
+        ({"store": (str(kept),), "store_save": str(kept)}, "given to both"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(CloverError, match=message):
+            ServeOptions(**kwargs).check()
+    assert other.read_text() == "not a store"  # refused, untouched
+    ServeOptions(store=(str(other),), store_save=str(kept)).check()
+    # `clover serve` hands both flags to the server (it once dropped --store)
+    seen: list[ServeOptions] = []
+    monkeypatch.setattr(clover.serving.server, "serve", lambda o: seen.append(o) or 0)
+    assert main(["serve", "--store", str(other), "--store-save", str(kept)]) == 0
+    assert seen[0].store == (str(other),) and seen[0].store_save == str(kept)

@@ -7,7 +7,15 @@ import torch
 
 from clover.decoding.loop import generate
 from clover.decoding.policies import SelfSpec, make_policy
-from clover.decoding.store import NgramStore, existing_store, model_store, seed_store
+from clover.decoding.store import (
+    NgramStore,
+    existing_store,
+    is_saved_store,
+    model_store,
+    read_saved,
+    save_learned,
+    seed_store,
+)
 from clover.errors import CloverError
 from tests.conftest import ScriptedModel, tiny_model
 
@@ -133,3 +141,32 @@ def test_seed_store_from_a_distilled_set_and_text(tmp_path):
     assert store.draft([2, 3], 3) == [4, 5, 6]
     assert store.draft([ord("a") % 50, ord("b") % 50], 1) in ([ord("c") % 50], [ord("d") % 50])
     assert store.describe() == {"seed_tokens": 12, "seed_sequences": 2, "learning": True}
+
+
+def test_saved_store_round_trip_and_bad_files(tmp_path):
+    s = NgramStore()
+    s.add([9, 9, 9])  # a seed: not saved, only what answers taught
+    s.learn([1, 2, 3, 4])
+    s.learn([5, 6])
+    path = tmp_path / "store.jsonl"
+    assert save_learned(s, path, "tiny") == 2
+    assert is_saved_store(path) and (path.stat().st_mode & 0o777) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["store.jsonl"]  # no temporary left
+    assert read_saved(path, "tiny") == [[1, 2, 3, 4], [5, 6]]
+    with pytest.raises(CloverError, match="saved by 'tiny', not 'other'"):
+        read_saved(path, "other")
+    text = tmp_path / "notes.txt"
+    text.write_text("[1, 2]\n")
+    assert not is_saved_store(text) and not is_saved_store(tmp_path / "missing")
+    with pytest.raises(CloverError, match="not a saved n-gram store"):
+        read_saved(text, "tiny")
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text(path.read_text() + '[1, "x"]\n')
+    with pytest.raises(CloverError, match="line 4: not a list of token ids"):
+        read_saved(damaged, "tiny")
+    # seed_store takes a saved store as a seed (by its header, not as text to encode)
+    model = tiny_model(0)
+    store = seed_store(model, [path], "tiny", tokenizer=None)
+    assert store.draft([1, 2], 2) == [3, 4] and store.learned == []
+    with pytest.raises(CloverError, match="line 4"):
+        seed_store(tiny_model(1), [damaged], "tiny", tokenizer=None)

@@ -36,7 +36,8 @@ def _model_args(p: argparse.ArgumentParser, store: bool = True) -> None:
             action="append",
             metavar="PATH",
             help="seed the n-gram store that --draft lookup+store drafts from: a `clover data "
-            "distill` set of this model or a text file (repeatable)",
+            "distill` set of this model, a file `clover serve --store-save` wrote, or a text "
+            "file (repeatable)",
         )
     p.add_argument(
         "--dtype",
@@ -455,6 +456,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         adapter=a.adapter,
         drafter=a.drafter,
         wide=a.gguf_wide,
+        store=tuple(a.store or ()),
+        store_save=a.store_save,
         dtype=a.dtype,
         compile=a.compile,
         device=a.device,
@@ -497,6 +500,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "$CLOVER_API_KEY); an empty key is refused",
     )
     p.add_argument("--served-model-name", help="model id clients use (default: the model's)")
+    p.add_argument(
+        "--store-save",
+        metavar="FILE",
+        help="keep what answers teach the n-gram store (--draft lookup+store drafts from it) "
+        "in FILE across restarts: read at start if it exists, rewritten every minute while it "
+        "changed and at shutdown. It holds users' prompts and answers (mode 0600)",
+    )
     p.add_argument("--max-running", type=int, default=8, help="sequences batched together (8)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests; more get 503")
     p.add_argument(

@@ -12,13 +12,17 @@ answers stay lossless; what it holds decides only how many drafts survive.
 The decode loop keeps one store per loaded model (`model_store`), fed with every finished
 row's prompt and answer, so a server's later answers draft from its earlier ones; it can be
 seeded with a `clover data distill` set of the same model or with text files
-(`seed_store`). Retrieval drafting from a datastore follows REST (He et al. 2023,
-"REST: Retrieval-Based Speculative Decoding"); ours is an in-memory n-gram table.
+(`seed_store`). A server can keep what its answers taught across restarts: `save_learned`
+writes the learned sequences (token ids, under a header naming the model) to a file that
+`read_saved` reads back and that `seed_store` also takes as a seed. Retrieval drafting from a
+datastore follows REST (He et al. 2023, "REST: Retrieval-Based Speculative Decoding"); ours is
+an in-memory n-gram table.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -160,12 +164,83 @@ def _distilled_sequences(directory: Path, model_name: str) -> Iterable[list[int]
                 yield list(r["prompt_ids"]) + list(r["answer_ids"])
 
 
+SAVED_FORMAT = "clover-ngram-store"  # the first line of a saved store: {"format": ..., ...}
+
+
+def is_saved_store(path: str | Path) -> bool:
+    """Whether `path` is a file `save_learned` wrote (its first line names the format)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.readline(4096)
+        return json.loads(head).get("format") == SAVED_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def save_learned(store: NgramStore, path: str | Path, model_name: str) -> int:
+    """Write the sequences `store` learned from answers to `path` (a header line naming the
+    model, then one JSON list of token ids a line), atomically: a crash mid-write leaves the
+    last complete file. The file holds users' prompts and answers, so only its owner may read
+    it (mode 0600). -> the sequences written."""
+    path = Path(path)
+    learned = list(store.learned)  # a snapshot: the decode thread may append meanwhile
+    header = {"format": SAVED_FORMAT, "version": 1, "model": model_name,
+              "sequences": len(learned), "tokens": sum(map(len, learned))}  # fmt: skip
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(header) + "\n")
+            for tokens in learned:
+                fh.write(json.dumps(tokens, separators=(",", ":")) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(learned)
+
+
+def read_saved(path: str | Path, model_name: str) -> list[list[int]]:
+    """The sequences of a file `save_learned` wrote for `model_name`; anything else (another
+    model's ids, another kind of file, a damaged line) is a clear error."""
+    path = Path(path)
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CloverError(f"saved store {path}: cannot read it ({e})") from None
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != SAVED_FORMAT:
+        raise CloverError(f"{path} is not a saved n-gram store (no {SAVED_FORMAT} header line)")
+    if header.get("model") != model_name:
+        raise CloverError(
+            f"{path} was saved by {header.get('model')!r}, not {model_name!r}: its token ids "
+            "belong to another tokenizer or model"
+        )
+    sequences = []
+    for i, line in enumerate(lines[1:], start=2):
+        try:
+            tokens = json.loads(line)
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise ValueError("not a list of token ids")
+        except ValueError as e:
+            raise CloverError(f"saved store {path}, line {i}: {e}") from None
+        sequences.append(tokens)
+    return sequences
+
+
 def seed_store(
     model: torch.nn.Module, paths: Iterable[str | Path], model_name: str, tokenizer: object
 ) -> NgramStore:
     """Add to `model`'s store: `clover data distill` directories of this model (prompt +
-    answer ids as written), and text files (encoded with `tokenizer`, no special tokens).
-    Checks every path before adding any, so bad input adds nothing."""
+    answer ids as written), stores a server saved (`save_learned`, of this model), and text
+    files (encoded with `tokenizer`, no special tokens). Reads every path before adding any,
+    so bad input adds nothing."""
     sources: list[tuple[str, Path]] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -180,6 +255,8 @@ def seed_store(
     for kind, p in sources:
         if kind == "distill":
             seqs += list(_distilled_sequences(p, model_name))
+        elif is_saved_store(p):
+            seqs += read_saved(p, model_name)
         else:
             try:
                 text = p.read_text(encoding="utf-8")

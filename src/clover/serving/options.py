@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from clover.checkpoints import DEFAULT_MODEL, device_dtype, resolve_device
 from clover.decoding.policies import DECODERS, DRAFTS
+from clover.decoding.store import is_saved_store
 from clover.errors import CloverError
 
 
@@ -18,6 +20,9 @@ class ServeOptions:
     adapter: str | None = None  # a draft adapter file (the model's own when None)
     drafter: str | None = None  # a drafter file (clover train drafter) for draft="drafter"
     wide: str = "int8"  # int4 from a GGUF: wider tensors' levels (clover.engine.LLM)
+    store: tuple[str, ...] = ()  # seeds of the n-gram store (distill sets, saved stores, text)
+    store_save: str | None = None  # a file keeping what answers taught the store, across runs
+    store_save_every: float = 60.0  # seconds between writes of store_save (while it changed)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -77,6 +82,7 @@ class ServeOptions:
             raise CloverError("--prefix-cache-mb must be >= 0 (0 turns the cache off)")
         if not self.sse_keepalive > 0:
             raise CloverError("--sse-keepalive must be > 0 seconds")
+        self._check_store()
         for host in self.allowed_hosts:
             if not host or any(c in host for c in "/ :@"):
                 raise CloverError(
@@ -88,3 +94,28 @@ class ServeOptions:
                     f"--cors-origins: {origin!r} must be * or scheme://host[:port], "
                     "e.g. http://localhost:3000"
                 )
+
+    def _check_store(self) -> None:
+        for seed in self.store:
+            if not Path(seed).exists():
+                raise CloverError(f"--store {seed}: no such file or directory")
+        if self.store_save is None:
+            return
+        path = Path(self.store_save)
+        if path.is_dir() or not path.parent.is_dir():
+            raise CloverError(
+                f"--store-save {path}: must be a file in an existing directory (it is "
+                "created on the first write)"
+            )
+        if path.exists() and not is_saved_store(path):
+            raise CloverError(
+                f"--store-save {path}: the file exists and is not a saved n-gram store; "
+                "refusing to overwrite it (give a new file name)"
+            )
+        if any(Path(seed).resolve() == path.resolve() for seed in self.store):
+            raise CloverError(
+                f"{path} is given to both --store and --store-save: --store-save reads it "
+                "already, give it once"
+            )
+        if not self.store_save_every > 0:
+            raise CloverError("store_save_every must be > 0 seconds")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Any
 
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
+from clover.decoding.store import model_store, read_saved, save_learned
 from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.serving.constraints import Vocab
@@ -57,6 +59,7 @@ class Runtime:
                 device=options.device,
                 drafter=options.drafter,
                 wide=options.wide,
+                store=list(options.store) or None,
             )
         )
         self.llm: LLM | None = None
@@ -66,6 +69,7 @@ class Runtime:
         self.draining = False
         self.metrics = Metrics()
         self.on_failure: Callable[[], None] | None = None  # the server stops itself
+        self.store_keeper: StoreKeeper | None = None
         self._token_text: dict[int, str] = {}
         self._vocab = None
         self._vocab_lock = threading.Lock()
@@ -89,6 +93,10 @@ class Runtime:
             ):
                 pass
             llm.set_prefix_cache(o.prefix_cache_mb)  # after the warm-up: it keeps nothing
+            if o.store_save is not None:  # after the warm-up: the store learns only answers
+                keeper = StoreKeeper(llm, o.store_save, o.store_save_every)
+                keeper.start()
+                self.store_keeper = keeper
             scheduler = Scheduler(llm, o.max_running, o.max_queue, o.deterministic)
             defaults = GenerationSettings(
                 decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
@@ -131,6 +139,8 @@ class Runtime:
         self.draining = True
         if self.scheduler is not None:
             self.scheduler.shutdown(grace)
+        if self.store_keeper is not None:
+            self.store_keeper.stop()  # after the last answers: they are in the file too
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -236,3 +246,52 @@ async def ticket_events(
         if pending:
             for ticket, _ in tickets:
                 ticket.cancel()
+
+
+class StoreKeeper:
+    """`--store-save FILE`: the model's n-gram store keeps what answers taught it across
+    restarts. At start the file's sequences (if it exists) are learned again; a thread writes
+    the learned sequences back every `every` seconds while they changed (atomically,
+    `decoding.store.save_learned`), and `stop` writes them a last time. A failed write is
+    logged and retried at the next interval; the server goes on answering."""
+
+    def __init__(self, llm: LLM, path: str, every: float) -> None:
+        self.path, self.name, self.every = path, llm.name, every
+        self.store = model_store(llm.model)  # made now: finished rows feed it from here on
+        self.saved = 0  # learned sequences in the file
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if os.path.exists(self.path):
+            self.store.relearn(read_saved(self.path, self.name))
+        self.saved = len(self.store.learned)
+        self._thread = threading.Thread(target=self._run, name="clover-store", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.save()
+
+    def save(self) -> bool:
+        """Write the file if the store learned something since the last write."""
+        with self._lock:
+            n = len(self.store.learned)
+            if n == self.saved:
+                return False
+            try:
+                save_learned(self.store, self.path, self.name)
+            except OSError as e:
+                log.warning(
+                    "--store-save %s: could not write it (%s); retrying later", self.path, e
+                )
+                return False
+            self.saved = n
+            return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self.save()
