@@ -119,3 +119,28 @@ def test_store_options_are_checked_before_the_socket_opens(tmp_path, monkeypatch
     monkeypatch.setattr(clover.serving.server, "serve", lambda o: seen.append(o) or 0)
     assert main(["serve", "--store", str(other), "--store-save", str(kept)]) == 0
     assert seen[0].store == (str(other),) and seen[0].store_save == str(kept)
+
+
+def test_store_keeper_writes_only_what_changed_and_retries_a_failed_write(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from clover.decoding.store import read_saved
+    from clover.serving.runtime import StoreKeeper
+    from tests.conftest import tiny_model
+
+    folder = tmp_path / "kept"
+    folder.mkdir()
+    path = folder / "store.jsonl"
+    llm = SimpleNamespace(name="tiny", model=tiny_model(0))
+    keeper = StoreKeeper(llm, str(path), every=3600)  # the thread never wakes in this test
+    keeper.start()
+    assert not keeper.save() and not path.exists()  # nothing learned: nothing written
+    keeper.store.learn([1, 2, 3])
+    folder.rmdir()  # the write fails: logged, the server goes on, the next one retries
+    assert not keeper.save() and "could not write it" in caplog.text
+    folder.mkdir()
+    assert keeper.save() and read_saved(path, "tiny") == [[1, 2, 3]]
+    keeper.store.learn([4, 5])
+    keeper.stop()  # the last write
+    assert read_saved(path, "tiny") == [[1, 2, 3], [4, 5]]
+    keeper.stop()  # twice (a signal, then the app's end): harmless
