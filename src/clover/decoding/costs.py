@@ -137,7 +137,7 @@ def costs_key(model: torch.nn.Module, label: str) -> str:
     weight = next(model.parameters())
     module = kernels.load()
     try:
-        isa = kernels.isa() if module is not None else -1
+        isa = kernels.isa(getattr(model, "dots_x", None)) if module is not None else -1
     except (RuntimeError, ValueError):
         isa = -1
     # the kernels' build (named by a hash of their sources): new kernels, new costs

@@ -14,6 +14,14 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
   AVX2 `vpmaddubsw`, the same results to the bit): ~1.6x faster on one row (2-3x on AVX2),
   and a row's result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0` keeps
   bfloat16 x there.
+- x on 8 bits (one int8 plane, as llama.cpp's Q8 activations) for 4- and 5-bit weights: half
+  the multiplies a row, so a verify pass of several rows costs less where multiplies bind
+  (2-core Zen 3, qwen2.5-coder-0.5b: verify 4 at ~1.6x an AR step, not ~2.2x). It costs
+  precision where activations have outliers (SmolLM2's next-token KL to float32 went from
+  0.0009 to 0.0115; the coder's from 0.00021 to 0.00054, with the same suite accuracy), so a
+  model chooses it (`ModelEntry.dots_x`, carried by its weights and fused layers); 8-bit
+  weights keep 15 bits. `$CLOVER_DOTS_X=8` or `15` overrides every model. AVX2 code on every
+  x86 CPU, so either CPU class gives the same tokens.
 - Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
   PyTorch's own kernels; a one-line notice says so once.
 """
@@ -140,13 +148,15 @@ def load() -> ModuleType | None:
 
 
 INT8_DOTS = 8  # added to a path: short passes take integer dots (int8_dots_rows says how short)
+X8 = 16  # added with INT8_DOTS: 4- and 5-bit weights take x on 8 bits there (isa's x_bits)
 
 
-def isa() -> int:
+def isa(x_bits: int | None = None) -> int:
     """The kernel path: the instruction set (3 AMX tiles for passes of several rows + AVX-512
     BF16, 2 AVX-512 BF16, 1 AVX2 + FMA, 0 portable), plus INT8_DOTS where the level is 1 or
     more and `$CLOVER_INT8_DOTS` is not 0 (AVX-512 VNNI from level 2 where the CPU has it,
-    else AVX2: the same results to the bit)."""
+    else AVX2: the same results to the bit), plus X8 with it where x_bits (a model's choice,
+    None: 15) or `$CLOVER_DOTS_X`, which overrides it, is 8."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU kernels are not available")
@@ -159,6 +169,9 @@ def isa() -> int:
     dots = os.environ.get("CLOVER_INT8_DOTS", "1")
     if dots not in ("0", "1"):
         raise ValueError(f"$CLOVER_INT8_DOTS={dots!r}: 0 or 1")
+    bits = os.environ.get("CLOVER_DOTS_X", str(x_bits or 15))
+    if bits not in ("8", "15"):
+        raise ValueError(f"$CLOVER_DOTS_X={bits!r}: 8 or 15")
     if dots == "1" and level >= 1 and module.int8_dots_supported():
-        level += INT8_DOTS
+        level += INT8_DOTS + (X8 if bits == "8" else 0)
     return level

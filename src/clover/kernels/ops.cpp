@@ -75,10 +75,11 @@ using TileFn = void (*)(const QGemm&, int64_t, int64_t);
 
 TileFn tile_fn(int64_t isa) {
   const int level = isa_level(isa);
-  TORCH_CHECK(isa >= 0 && isa < 16 && level <= best_isa(), "kernel path ", isa,
+  TORCH_CHECK(isa >= 0 && isa < 32 && level <= best_isa(), "kernel path ", isa,
               " not supported by this CPU");
   TORCH_CHECK(!(isa & kInt8Dots) || level >= 1,
               "integer dots need AVX2 (kernel path level 1 or more)");
+  TORCH_CHECK(!(isa & kX8) || (isa & kInt8Dots), "8-bit x is a mode of the integer dots");
   return level == 3   ? qgemm_tiles_amx
          : level == 2 ? qgemm_tiles_avx512
          : level == 1 ? qgemm_tiles_avx2
@@ -155,13 +156,23 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<int8_t> xq;
   std::vector<float> xd;
   std::vector<int32_t> xqs;
-  if (M <= int8_dots_rows(isa)) {
+  if (M <= int8_dots_rows(isa) && (isa & kX8) && w.bits != 8) {
+    // x on one 8-bit plane: the AVX2 dots (also on a VNNI CPU), in the same row blocks
+    const int64_t G = w.K / w.group;
+    xq.resize(M * w.K), xd.resize(M * G), xqs.resize(M * G);
+    quantize_rows_avx2(xb, M, w.K, static_cast<int>(w.group), static_cast<int>(w.bits), xq.data(),
+                       xd.data(), xqs.data(), 1);
+    a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data(), a.x_planes = 1;
+    fn = qgemm_tiles_dots_avx2;
+  } else if (M <= int8_dots_rows(isa)) {
     const int64_t G = w.K / w.group;
     xq.resize(2 * M * w.K), xd.resize(M * G), xqs.resize(M * G);
     const bool vnni = dots_on_vnni(isa);
-    (vnni ? quantize_rows : quantize_rows_avx2)(xb, M, w.K, static_cast<int>(w.group),
-                                                static_cast<int>(w.bits), xq.data(), xd.data(),
-                                                xqs.data());
+    const int group = static_cast<int>(w.group), bits = static_cast<int>(w.bits);
+    if (vnni)
+      quantize_rows(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data());
+    else
+      quantize_rows_avx2(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data(), 2);
     a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();
     fn = vnni ? qgemm_tiles_vnni : qgemm_tiles_dots_avx2;
   } else if ((isa & kInt8Dots) && isa_level(isa) == 1) {

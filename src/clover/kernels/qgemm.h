@@ -45,6 +45,9 @@ struct QGemm {
   const int8_t* xq = nullptr;    // [M, 2, K]: high and low int8 planes, x_q = 128 high + low
   const float* xd = nullptr;     // [M, G]: each group's step d (x ~ d * x_q)
   const int32_t* xqs = nullptr;  // [M, G]: sum of x_q per group
+  // 4- and 5-bit weights on the AVX2 dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
+  // -127..127, d = max |x| / 127; kernel path flag kX8)
+  int x_planes = 2;
 };
 
 // Calls f(P, BITS, LOW, F16) with compile-time constants (std::integral_constant) for the
@@ -94,9 +97,10 @@ constexpr int kXMax = 127 * 128;
 void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits, int8_t* xq,
                    float* xd, int32_t* xqs);
 // the same on AVX2, for qgemm_tiles_dots_avx2: the same x_q, d and sums, but for 8-bit weights
-// x_q is written as int16 [M, K] (in the same 2K bytes a row) instead of two planes
+// x_q is written as int16 [M, K] (in the same 2K bytes a row) instead of two planes; with
+// planes 1 (4- and 5-bit weights only) x_q = round(x * 127 / max |x|) on one plane [M, K]
 void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int bits,
-                        int8_t* xq, float* xd, int32_t* xqs);
+                        int8_t* xq, float* xd, int32_t* xqs, int planes);
 
 // The level of row n at k, and the scale/low of (n, group), read from the packed layout
 // (the scalar path and tests of the layout use these).

@@ -70,6 +70,7 @@ class QWeight:
     in_features: int  # K
     q: torch.Tensor  # uint8, packed levels
     scales: torch.Tensor  # float16 or float32 [N/16, G, 1 or 2, 16]
+    x_bits: int | None = None  # the integer dots' x for 4-/5-bit levels: 8, 15 (None: 15)
 
     @property
     def has_low(self) -> bool:
@@ -118,7 +119,7 @@ class QWeight:
             self.out_features,
             bias,
             out_bf16,
-            kernels.isa(),
+            kernels.isa(self.x_bits),
         )
 
     def levels(self) -> torch.Tensor:
@@ -160,23 +161,26 @@ def reference_matmul(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = No
 
 
 def reference_dots_matmul(
-    x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, x_bits: int = 15
 ) -> torch.Tensor:
     """What the integer-dot path (`kernels.INT8_DOTS`, passes of up to 4 or 16 rows) computes,
     in float64: x rounded to bfloat16, then per group of the weights' k to steps of
     max |x| / 16256 (x_q = round(x * 16256 / max |x|), float32 as the kernel rounds), each
     group's exact dot with the levels times scale * step, plus low times the bfloat16 x's group
-    sum. (The kernel splits x_q into two int8 planes; that split is exact.)"""
+    sum. (The kernel splits x_q into two int8 planes; that split is exact.) With x_bits 8
+    (`QWeight.x_bits`, `$CLOVER_DOTS_X`) 4- and 5-bit weights take steps of max |x| / 127
+    instead, x_q on one plane."""
     xb = x.to(torch.bfloat16).float()
     N, K, g = w.out_features, w.in_features, w.group
+    top = 127 if x_bits == 8 and w.bits != 8 else 16256
     xg = xb.reshape(-1, K // g, g)
     amax = xg.abs().amax(-1, keepdim=True)
-    # 16256 / amax as a true division (`16256.0 / t` is a reciprocal then a product: two roundings)
-    inv = torch.where(amax > 0, torch.full_like(amax, 16256.0) / amax, torch.zeros(()))
-    xq = (xg * inv).round().clamp(-16256, 16256).double()
+    # top / amax as a true division (`top / t` is a reciprocal then a product: two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, float(top)) / amax, torch.zeros(()))
+    xq = (xg * inv).round().clamp(-top, top).double()
     s = w.group_scales().double()
     dots = torch.einsum("mgk,ngk->mng", xq, w.levels().double().reshape(N, K // g, g))
-    y = (dots * s[None, :, :, 0] * (amax / 16256.0).double()[:, None, :, 0]).sum(-1)
+    y = (dots * s[None, :, :, 0] * (amax / float(top)).double()[:, None, :, 0]).sum(-1)
     if w.has_low:
         y = y + (xg.double().sum(-1)[:, None, :] * s[None, :, :, 1]).sum(-1)
     y = y.reshape(*x.shape[:-1], N)

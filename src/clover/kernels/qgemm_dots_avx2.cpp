@@ -12,6 +12,9 @@
 //     lane sums two products of one row. They stay in int16 over a span of chunks, then widen:
 //     |level| <= 15 (int4), 31 (int5: levels + 16), |x| <= 127 (high plane), so 16 products
 //     (int4: the whole group of 32) or 8 (int5: two chunks) stay under 32767.
+//   int4 / int5 with x on one plane (`x_planes` 1, kernel path flag kX8): x rounded to 8 bits
+//     per group (-127..127, as llama.cpp's Q8 activations), half the multiplies a row; the
+//     same spans (|x| <= 127 as the high plane's).
 //   int8: levels are signed (-128..127), so `vpmaddubsw` cannot take them without overflow;
 //     x is written as int16 (x_q itself, qgemm_rows's buffer of two planes holds it) and
 //     `vpmaddwd` multiplies a pair's levels widened to int16 (rows 0..7 and 8..15 x (k, k+1),
@@ -103,10 +106,10 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
   }
 }
 
-// 4- and 5-bit levels (groups of 32), MR rows of x on two int8 planes. Up to 2 rows take
+// 4- and 5-bit levels (groups of 32), MR rows of x on PL int8 planes. Up to 2 rows take
 // both halves of the tile at once (each broadcast of x then serves 16 weight rows); 3 or 4
 // rows, whose sums fill the registers, one half after the other.
-template <int MR, int BITS, bool LOW, bool F16>
+template <int MR, int BITS, bool LOW, bool F16, int PL>
 void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / 32;
   constexpr int64_t tile = BITS == 4 ? 256 : 320;
@@ -123,14 +126,16 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
         if (h0 == 0)  // a second half reads the lines the first one brought in
           for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
             _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
-        const int8_t* x = a.xq + g * 32;  // row r: high plane at x + 2rK, low plane K after
-        __m256i acc[HN][MR][2];  // int32 per half, row and plane
+        const int8_t* x = a.xq + g * 32;  // row r: (high) plane at x + PL rK, low plane K after
+        __m256i acc[HN][MR][PL];  // int32 per half, row and plane
         for (int i = 0; i < HN; ++i)
-          for (int r = 0; r < MR; ++r) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_si256();
+          for (int r = 0; r < MR; ++r)
+            for (int pl = 0; pl < PL; ++pl) acc[i][r][pl] = _mm256_setzero_si256();
         for (int c0 = 0; c0 < 4; c0 += span) {
-          __m256i part[HN][MR][2];  // int16 sums over the span
+          __m256i part[HN][MR][PL];  // int16 sums over the span
           for (int i = 0; i < HN; ++i)
-            for (int r = 0; r < MR; ++r) part[i][r][0] = part[i][r][1] = _mm256_setzero_si256();
+            for (int r = 0; r < MR; ++r)
+              for (int pl = 0; pl < PL; ++pl) part[i][r][pl] = _mm256_setzero_si256();
           // a chunk at a time: unrolled, GCC hoisted all 64 products of a group ahead of
           // their sums and kept them on the stack
 #pragma GCC unroll 1
@@ -151,8 +156,8 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
               }
             }
             for (int r = 0; r < MR; ++r)
-              for (int pl = 0; pl < 2; ++pl) {
-                const int8_t* xp = x + (2 * r + pl) * K + 8 * c;
+              for (int pl = 0; pl < PL; ++pl) {
+                const int8_t* xp = x + (PL * r + pl) * K + 8 * c;
                 const __m256i xl = broadcast4(xp), xh = broadcast4(xp + 4);
                 for (int i = 0; i < HN; ++i) {
                   const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], xl),
@@ -163,14 +168,15 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
           }
           for (int i = 0; i < HN; ++i)
             for (int r = 0; r < MR; ++r)
-              for (int pl = 0; pl < 2; ++pl)
+              for (int pl = 0; pl < PL; ++pl)
                 acc[i][r][pl] =
                     _mm256_add_epi32(acc[i][r][pl], _mm256_madd_epi16(part[i][r][pl], ones));
         }
         for (int i = 0; i < HN; ++i) {
           __m256i dot[MR];
           for (int r = 0; r < MR; ++r) {
-            dot[r] = _mm256_add_epi32(_mm256_slli_epi32(acc[i][r][0], 7), acc[i][r][1]);
+            dot[r] = PL == 1 ? acc[i][r][0]
+                             : _mm256_add_epi32(_mm256_slli_epi32(acc[i][r][0], 7), acc[i][r][PL - 1]);
             if (BITS == 5)
               dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(16 * a.xqs[r * G + g]));
           }
@@ -221,19 +227,24 @@ void run_rows(const QGemm& a, int64_t t0, int64_t t1) {
     constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
     if constexpr (bits == 8)
       run_bytes<MR, group, low, f16>(a, t0, t1);
+    else if (a.x_planes == 1)
+      run_nibbles<MR, bits, low, f16, 1>(a, t0, t1);
     else
-      run_nibbles<MR, bits, low, f16>(a, t0, t1);
+      run_nibbles<MR, bits, low, f16, 2>(a, t0, t1);
   });
 }
 
 }  // namespace
 
 void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int bits,
-                        int8_t* xq, float* xd, int32_t* xqs) {
-  // 4- and 5-bit weights: two int8 planes, each 8 k in the order 0, 4, 1, 5, 2, 6, 3, 7;
-  // 8-bit weights: x_q as int16 in k's order (the same 2K bytes a row)
+                        int8_t* xq, float* xd, int32_t* xqs, int planes) {
+  // 4- and 5-bit weights: two int8 planes (or, planes 1, x_q in -127..127 on one), each 8 k in
+  // the order 0, 4, 1, 5, 2, 6, 3, 7; 8-bit weights: x_q as int16 in k's order (the same 2K
+  // bytes a row)
+  const bool one = bits != 8 && planes == 1;
+  const int xmax = one ? 127 : kXMax;
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256i lo = _mm256_set1_epi32(-kXMax), hi = _mm256_set1_epi32(kXMax);
+  const __m256i lo = _mm256_set1_epi32(-xmax), hi = _mm256_set1_epi32(xmax);
   const __m256 sign = _mm256_set1_ps(-0.f);
   const int64_t G = K / group;
   const int n = group / 8;  // vectors of 8 a group: 2 or 4
@@ -252,7 +263,7 @@ void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float top = _mm_cvtss_f32(m4);
-      const __m256 inv = _mm256_set1_ps(top > 0.f ? static_cast<float>(kXMax) / top : 0.f);
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? static_cast<float>(xmax) / top : 0.f);
       __m256i sum = _mm256_setzero_si256();
       for (int i = 0; i < n; ++i) {  // round half to even (the default rounding mode)
         const __m256 xi = bits == 8 ? v[i] : _mm256_permutevar8x32_ps(v[i], order);
@@ -264,6 +275,9 @@ void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int
         if (bits == 8) {
           int16_t* out = reinterpret_cast<int16_t*>(xq) + m * K + g * group + 8 * i;
           for (int j = 0; j < 8; ++j) out[j] = static_cast<int16_t>(qs[j]);
+        } else if (one) {
+          int8_t* out = xq + m * K + g * group + 8 * i;
+          for (int j = 0; j < 8; ++j) out[j] = static_cast<int8_t>(qs[j]);
         } else {
           int8_t* out = xq + 2 * m * K + g * group + 8 * i;
           for (int j = 0; j < 8; ++j) {
@@ -274,7 +288,7 @@ void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int
         }
       }
       xd[m * G + g] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN()
-                                              : top / static_cast<float>(kXMax);
+                                              : top / static_cast<float>(xmax);
       alignas(32) int32_t s8[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
       xqs[m * G + g] = s8[0] + s8[1] + s8[2] + s8[3] + s8[4] + s8[5] + s8[6] + s8[7];
@@ -290,7 +304,7 @@ void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) {
     for (int64_t r0 = 0; r0 < a.M; r0 += 4) {
       QGemm b = a;
       b.M = std::min<int64_t>(4, a.M - r0);
-      b.xq = a.xq + 2 * r0 * a.K;
+      b.xq = a.xq + (a.bits == 8 ? 2 : a.x_planes) * r0 * a.K;  // int16 x, or int8 planes
       b.xd = a.xd + r0 * G;
       b.xqs = a.xqs + r0 * G;
       if (a.xsum) b.xsum = a.xsum + r0 * G;
@@ -317,6 +331,7 @@ void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) {
 #include "qgemm.h"
 namespace clover {
 void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) { qgemm_tiles_scalar(a, t0, t1); }
-void quantize_rows_avx2(const uint16_t*, int64_t, int64_t, int, int, int8_t*, float*, int32_t*) {}
+void quantize_rows_avx2(const uint16_t*, int64_t, int64_t, int, int, int8_t*, float*, int32_t*,
+                        int) {}
 }  // namespace clover
 #endif

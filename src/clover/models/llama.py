@@ -317,7 +317,7 @@ def build_fused_layers(model: LlamaModel) -> list | None:
                 c.num_key_value_heads,
                 c.head_dim,
                 ln1.eps,
-                kernels.isa(),
+                kernels.isa(getattr(model, "dots_x", None)),
             )  # fmt: skip
         )
     return layers
