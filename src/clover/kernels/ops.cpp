@@ -156,23 +156,17 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<int8_t> xq;
   std::vector<float> xd;
   std::vector<int32_t> xqs;
-  if (M <= int8_dots_rows(isa) && (isa & kX8) && w.bits != 8) {
-    // x on one 8-bit plane: the AVX2 dots (also on a VNNI CPU), in the same row blocks
+  if (M <= int8_dots_rows(isa)) {
+    // x on one 8-bit plane (kX8, 4- and 5-bit weights) runs the AVX2 dots, also on a VNNI CPU
+    a.x_planes = (isa & kX8) && w.bits != 8 ? 1 : 2;
+    const bool vnni = a.x_planes == 2 && dots_on_vnni(isa);
     const int64_t G = w.K / w.group;
-    xq.resize(M * w.K), xd.resize(M * G), xqs.resize(M * G);
-    quantize_rows_avx2(xb, M, w.K, static_cast<int>(w.group), static_cast<int>(w.bits), xq.data(),
-                       xd.data(), xqs.data(), 1);
-    a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data(), a.x_planes = 1;
-    fn = qgemm_tiles_dots_avx2;
-  } else if (M <= int8_dots_rows(isa)) {
-    const int64_t G = w.K / w.group;
-    xq.resize(2 * M * w.K), xd.resize(M * G), xqs.resize(M * G);
-    const bool vnni = dots_on_vnni(isa);
+    xq.resize(a.x_planes * M * w.K), xd.resize(M * G), xqs.resize(M * G);
     const int group = static_cast<int>(w.group), bits = static_cast<int>(w.bits);
     if (vnni)
       quantize_rows(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data());
     else
-      quantize_rows_avx2(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data(), 2);
+      quantize_rows_avx2(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data(), a.x_planes);
     a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();
     fn = vnni ? qgemm_tiles_vnni : qgemm_tiles_dots_avx2;
   } else if ((isa & kInt8Dots) && isa_level(isa) == 1) {

@@ -46,7 +46,8 @@ struct QGemm {
   const float* xd = nullptr;     // [M, G]: each group's step d (x ~ d * x_q)
   const int32_t* xqs = nullptr;  // [M, G]: sum of x_q per group
   // 4- and 5-bit weights on the AVX2 dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
-  // -127..127, d = max |x| / 127; kernel path flag kX8)
+  // -127..127, d = max |x| / 127; kernel path flag kX8). 8-bit weights keep 2 (their int16
+  // x_q takes the bytes of two planes): K * x_planes bytes of xq a row
   int x_planes = 2;
 };
 

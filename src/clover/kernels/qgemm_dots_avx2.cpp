@@ -175,8 +175,8 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
         for (int i = 0; i < HN; ++i) {
           __m256i dot[MR];
           for (int r = 0; r < MR; ++r) {
-            dot[r] = PL == 1 ? acc[i][r][0]
-                             : _mm256_add_epi32(_mm256_slli_epi32(acc[i][r][0], 7), acc[i][r][PL - 1]);
+            dot[r] = acc[i][r][0];  // one plane: x_q itself; two: 128 high + low
+            if (PL == 2) dot[r] = _mm256_add_epi32(_mm256_slli_epi32(dot[r], 7), acc[i][r][PL - 1]);
             if (BITS == 5)
               dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(16 * a.xqs[r * G + g]));
           }
@@ -304,7 +304,7 @@ void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) {
     for (int64_t r0 = 0; r0 < a.M; r0 += 4) {
       QGemm b = a;
       b.M = std::min<int64_t>(4, a.M - r0);
-      b.xq = a.xq + (a.bits == 8 ? 2 : a.x_planes) * r0 * a.K;  // int16 x, or int8 planes
+      b.xq = a.xq + a.x_planes * r0 * a.K;  // x_planes K bytes a row (int8 weights: int16 x)
       b.xd = a.xd + r0 * G;
       b.xqs = a.xqs + r0 * G;
       if (a.xsum) b.xsum = a.xsum + r0 * G;
