@@ -185,6 +185,17 @@ def test_int8_dots_on_avx2_equal_vnni_to_the_bit(x_bits, monkeypatch):
                 assert torch.equal(vnni, avx2), (kind, f16, M)
 
 
+def verify_and_steps(model, prompt: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Logits of one verify pass over `step` after `prompt`, and of AR steps over the same
+    tokens one at a time, each on a fresh cache."""
+    with torch.inference_mode():
+        wide, narrow = model.make_cache(1), model.make_cache(1)
+        model(prompt, wide), model(prompt, narrow)
+        verify = model.logits(model(step, wide))
+        steps = [model.logits(model(step[:, i : i + 1], narrow)) for i in range(step.shape[1])]
+    return verify, torch.cat(steps, 1)
+
+
 @pytest.mark.skipif(not int8_dots_here(), reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("x_bits", [8, 15])
 def test_int8_dots_make_int4_verify_passes_equal_ar_steps(x_bits, monkeypatch):
@@ -203,11 +214,7 @@ def test_int8_dots_make_int4_verify_passes_equal_ar_steps(x_bits, monkeypatch):
         torch.randint(4, 256, (1, 9), generator=g),
         torch.randint(4, 256, (1, rows), generator=g),
     )
-    with torch.inference_mode():
-        wide, narrow = q.make_cache(1), q.make_cache(1)
-        q(prompt, wide), q(prompt, narrow)
-        verify = q.logits(q(step, wide))
-        steps = torch.cat([q.logits(q(step[:, i : i + 1], narrow)) for i in range(rows)], 1)
+    verify, steps = verify_and_steps(q, prompt, step)
     assert q.fused
     assert torch.equal(verify, steps)
     prompts = ([5, 6, 7, 8, 9] * 3, torch.randint(4, 256, (30,), generator=g).tolist())
@@ -254,14 +261,7 @@ def test_a_model_chooses_its_dots_x(monkeypatch):
     ids = torch.randint(4, 256, (1, 12), generator=g)
 
     def logits(model):
-        with torch.inference_mode():
-            cache = model.make_cache(1)
-            model(ids[:, :8], cache)
-            wide = model.logits(model(ids[:, 8:], cache))
-            cache = model.make_cache(1)
-            model(ids[:, :8], cache)
-            steps = [model.logits(model(ids[:, i : i + 1], cache)) for i in range(8, 12)]
-            steps = torch.cat(steps, 1)
+        wide, steps = verify_and_steps(model, ids[:, :8], ids[:, 8:])
         assert model.fused and torch.equal(wide, steps)
         return wide
 
