@@ -483,6 +483,34 @@ def test_attention_matches_softmax_reference(isa, dh, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", available_isas())
+def test_silu_mul_matches_portable_and_torch(isa, monkeypatch):
+    """The fused layers' silu(gate) * up on each path, against the portable loop (to the
+    bfloat16 bit but for rare last-bit roundings of the AVX2 exp's fused multiply-adds) and
+    against PyTorch in float64; widths with a tail past the 8-lane loop, gates past exp's
+    clamps, infinities and a NaN."""
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    module, g = kernels.load(), torch.Generator().manual_seed(5)
+    for F in (1, 8, 13, 4864):
+        gu = torch.randn(3, 2 * F, generator=g) * 6
+        gu[0, : min(F, 4)] = torch.tensor([-120.0, 95.0, 0.0, -0.0])[: min(F, 4)]
+        out = module.silu_mul_bf16(gu, kernels.isa())
+        portable = module.silu_mul_bf16(gu, 0)
+        assert out.dtype == torch.bfloat16 and out.shape == (3, F)
+        differ = (out.view(torch.int16) != portable.view(torch.int16)).float().mean()
+        assert float(differ) <= 0.01
+        torch.testing.assert_close(out.float(), portable.float(), rtol=2**-7, atol=1e-30)
+        gate, up = gu[:, :F].double(), gu[:, F:].double()
+        want = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-6)
+    special = torch.tensor([[float("nan"), float("inf"), -float("inf"), 1.0] * 4 + [2.0] * 16])
+    out = kernels.load().silu_mul_bf16(special, kernels.isa()).float()[0]
+    assert out[0].isnan() and out[4].isnan()  # a NaN gate stays NaN
+    assert out[1] == float("inf") and out[2] == -float("inf")  # exp's clamps, not inf * 0
+    assert abs(float(out[3]) - 2 * 0.7310585786) < 2**-7
+    assert torch.equal(out.isnan(), kernels.load().silu_mul_bf16(special, 0).float()[0].isnan())
+
+
+@pytest.mark.parametrize("isa", available_isas())
 def test_fused_layers_on_every_instruction_set(isa, monkeypatch):
     """The same fused pass on each path (qgemm and attention per instruction set) agrees with
     the modules; float32 in, so only the kernels differ."""

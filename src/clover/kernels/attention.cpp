@@ -7,6 +7,8 @@
 // vectorize: on a 2-core AVX2 EPYC it was ~20x its memory bound).
 #include "attention.h"
 
+#include "qgemm.h"  // to_bf16
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,6 +37,14 @@ static void attend_portable(const float* q, const float* K, const float* V, int6
   for (int64_t s = 0; s < end; ++s) {
     const float p = scores[s] / total;
     for (int64_t d = 0; d < Dh; ++d) out[d] += p * V[s * Dh + d];
+  }
+}
+
+// gates gu[0, n) with their ups `up_at` further on (F: the row's own tail calls it with n < F)
+static void silu_mul_portable(const float* gu, int64_t n, uint16_t* out, int64_t up_at) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gu[i];
+    out[i] = to_bf16(g / (1.0f + exp_approx(std::min(-g, 88.0f))) * gu[up_at + i]);
   }
 }
 
@@ -334,6 +344,36 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(
         _mm256_storeu_ps(out[i] + 8 * (c0 + j), _mm256_mul_ps(o[i][j], _mm256_set1_ps(inv[i])));
   }
 }
+
+// to_bf16 of 8 lanes: round to nearest even on the bits, NaN -> 0x7fc0
+AVX2 __m128i bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // <= 0xffff
+}
+
+// silu_mul_portable on 8 lanes: the same operations in the same order, exp256 for exp_approx
+// (its fused multiply-adds may move the last bit of a float, then rarely a bfloat16's)
+__attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float* gu, int64_t F,
+                                                              uint16_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f),
+               cap = _mm256_set1_ps(88.0f);
+  int64_t i = 0;
+  for (; i + 8 <= F; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + i);
+    // min(88, -g): a NaN gate stays NaN (the second operand), as std::min(-g, 88) keeps it
+    const __m256 e = exp256(_mm256_min_ps(cap, _mm256_xor_ps(g, sign)));
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    const __m256 y = _mm256_mul_ps(s, _mm256_loadu_ps(gu + F + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bf16x8(y));
+  }
+  if (i < F) silu_mul_portable(gu + i, F - i, out + i, F);
+}
 #endif
 
 void attend_query(const float* q, const float* K, const float* V, int64_t end, int64_t Dh,
@@ -343,6 +383,13 @@ void attend_query(const float* q, const float* K, const float* V, int64_t end, i
   if (isa >= 1 && Dh % 8 == 0) return attend_avx2<1>(&q, &end, K, V, Dh, scale, scores, 0, &out);
 #endif
   attend_portable(q, K, V, end, Dh, scale, scores, out);
+}
+
+void silu_mul(const float* gu, int64_t F, uint16_t* out, int isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa >= 1) return silu_mul_avx2(gu, F, out);
+#endif
+  silu_mul_portable(gu, F, out, F);
 }
 
 }  // namespace clover

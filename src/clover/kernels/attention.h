@@ -1,4 +1,5 @@
-// Attention over the KV cache for the fused layers (attention.cpp), and the exp they share.
+// Attention over the KV cache for the fused layers (attention.cpp), and the exp it shares with
+// their SiLU.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -39,5 +40,10 @@ void attend_query(const float* q, const float* K, const float* V, int64_t end, i
 void attend_queries(const float* const* q, const int64_t* ends, int n, const float* K,
                     const float* V, int64_t Dh, float scale, float* scores, int64_t stride,
                     float* const* out, int isa);
+
+// out [F] bfloat16 = silu(gate) * up for one row of gu [gate (F) | up (F)], with exp_approx;
+// isa >= 1: 8 lanes (AVX2 + FMA). The portable loop did not vectorize (exp_approx's clamp
+// is a branch there) and cost ~8 ns an element: 0.6 ms of every row of a 0.5B model's pass.
+void silu_mul(const float* gu, int64_t F, uint16_t* out, int isa);
 
 }  // namespace clover

@@ -61,14 +61,6 @@ CLOVER_CLONES void rope(float* x, int64_t heads, int64_t Dh, const float* cos, c
   }
 }
 
-// out [F] bfloat16 = silu(gate) * up for one row of gu [gate (F) | up (F)]
-CLOVER_CLONES void silu_mul(const float* gu, int64_t F, uint16_t* out) {
-  for (int64_t i = 0; i < F; ++i) {
-    const float g = gu[i];
-    out[i] = to_bf16(g / (1.0f + exp_approx(std::min(-g, 88.0f))) * gu[F + i]);
-  }
-}
-
 // float32 [n] -> bfloat16
 CLOVER_CLONES void round_bf16(const float* x, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
@@ -210,7 +202,8 @@ class FusedLayer {
     matmul_parts(gate_up_, hb.data(), xs.data(), M, 2 * F, gu.data());
     clock.lap(kGateUp);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) fused::silu_mul(gu.data() + m * 2 * F, F, hb.data() + m * F);
+      for (int64_t m = m0; m < m1; ++m)
+        silu_mul(gu.data() + m * 2 * F, F, hb.data() + m * F, isa_level(isa_));
     });
     clock.lap(kSilu);
     matmul(down_, hb.data(), xs.data(), M, y.data());
@@ -331,6 +324,19 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+// rows of gu [M, 2F] float32 ([gate | up]) -> bfloat16 [M, F] = silu(gate) * up, as the fused
+// layers compute it on kernel path `isa` (tests hold the paths to each other and to PyTorch)
+at::Tensor silu_mul_bf16(const at::Tensor& gu, int64_t isa) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu: [M, 2F]");
+  const at::Tensor g = gu.to(at::kFloat).contiguous();
+  const int64_t M = g.size(0), F = g.size(1) / 2;
+  at::Tensor out = at::empty({M, F}, g.options().dtype(at::kBFloat16));
+  for (int64_t m = 0; m < M; ++m)
+    silu_mul(g.data_ptr<float>() + m * 2 * F, F,
+             reinterpret_cast<uint16_t*>(out.data_ptr()) + m * F, isa_level(isa));
+  return out;
+}
+
 // out [n, Dh] = attention of queries q [n, Dh] over K, V [S, Dh], query i over keys
 // [0, ends[i]), 4 queries a call as the fused layers take them (tests hold it to a reference)
 at::Tensor attention(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
@@ -383,6 +389,7 @@ void register_layer(pybind11::module& m) {
       .def("forward", &FusedLayer::forward);
   m.def("rms_norm_bf16", &rms_norm_bf16, "the final RMSNorm of a fused backbone");
   m.def("attention", &attention, "attention over a cache, as the fused layers run it");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, as the fused layers run it");
   m.def("profile", &profile, "stage clocks of the fused layers: on, or off (returns seconds)");
 }
 
