@@ -338,6 +338,24 @@ def test_bench_passes_breakdown_on_a_tiny_quantized_model():
     assert measure_machine(0.01)["bandwidth_gb_s"] > 0
 
 
+def test_pass_bounds_take_the_better_matmul_peak():
+    """A CPU without bfloat16 arithmetic multiplies bf16 at ~1 GFLOP/s through PyTorch: the
+    weights' compute bound must come from the float32 rate there, not from seconds of bf16."""
+    from clover.bench.passes import bounds, weight_bytes
+    from clover.quant import quantize_model
+    from tests.test_kernels import tiny_llama
+
+    model = quantize_model(tiny_llama())
+    body_b, body_n, _, _ = weight_bytes(model)
+    slow_bf16 = {"bandwidth_gb_s": 1e9, "bf16_gflop_s": 1.0, "fp32_gflop_s": 100.0}
+    b = bounds(model, 16, 16, 32, slow_bf16)
+    assert b["weights"] == pytest.approx(2 * body_n * 16 / 100.0 / 1e6)
+    fast_bf16 = dict(slow_bf16, bf16_gflop_s=400.0)
+    assert bounds(model, 16, 16, 32, fast_bf16)["weights"] == pytest.approx(b["weights"] / 4)
+    memory = dict(slow_bf16, bandwidth_gb_s=1e-3)  # memory-bound: bytes / bandwidth
+    assert bounds(model, 1, 1, 8, memory)["weights"] == pytest.approx(body_b / 1e-3 / 1e6)
+
+
 def test_quality_keeps_each_settings_store_to_its_own_answers(llm):
     """`ar` answers every item first; a lookup+store setting must not draft from `ar`'s
     answer to the same item (nor from another store setting's): with one item its store has

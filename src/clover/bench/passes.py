@@ -10,12 +10,15 @@ Per pass: the median time, its ratio to the AR step at the same batch and cache 
 break-even tokens per forward a decoder needs), and a breakdown by component where the fused
 layers run (clover.kernels: their stage clocks; the LM head timed alone; "rest" is what is left:
 embedding, layout, Python). Each component stands beside its bound on this machine:
-    weights (and head): max(bytes read / memory bandwidth, 2 * weights * rows / bf16 peak)
+    weights (and head): max(bytes read / memory bandwidth, 2 * weights * rows / matmul peak)
     attention: max(K/V bytes / bandwidth, 4 * queries * keys * head_dim / float32 peak)
 with the bandwidth and peaks measured at the start (a read as large as the model's weights, at
 least 128 MB: a model that fits in the share of L3 it gets reads at the cache's rate, a larger
 one streams from DRAM, ~28 GB/s against ~50 on the Xeon measured here; PyTorch's bf16 and
-float32 matmuls). `pass_costs` is the timing harness other scripts reuse
+float32 matmuls; the matmul peak is the better of the two: a CPU without bfloat16 arithmetic
+multiplies bf16 at ~1 GFLOP/s, which made every weight bound a compute bound of seconds; the
+integer dots of short passes may beat the float peak). `pass_costs` is the timing harness other
+scripts reuse
 (benchmarks/lookup_policy.py).
 """
 
@@ -160,7 +163,8 @@ def bounds(model: torch.nn.Module, rows: int, queries: int, keys: int, m: dict) 
     body_b, body_n, head_b, head_n = weight_bytes(model)
 
     def matmul(nbytes: int, n: int, r: int) -> float:
-        return max(nbytes / m["bandwidth_gb_s"] / 1e6, 2 * n * r / m["bf16_gflop_s"] / 1e6)
+        peak = max(m["bf16_gflop_s"], m["fp32_gflop_s"])
+        return max(nbytes / m["bandwidth_gb_s"] / 1e6, 2 * n * r / peak / 1e6)
 
     layers = c.num_hidden_layers
     kv = layers * 2 * c.num_key_value_heads * c.head_dim * 4 * keys * (rows // queries)
