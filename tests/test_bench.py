@@ -390,3 +390,17 @@ def test_quality_times_the_pass_costs_before_any_setting(llm, monkeypatch, tmp_p
     configs = parse_configs("self_spec:4:lookup")
     run_quality(llm, configs, ITEMS[3:4], max_tokens=8, batch_size=1)
     assert events[0] == "measure" and "measure" not in events[1:] and "run" in events
+
+
+def test_a_results_command_carries_the_kernel_variables(monkeypatch):
+    """A run under CLOVER_DOTS_X=15 (or another kernel switch) must say so in its recorded
+    command, or rerunning the command computes something else."""
+    from clover.bench.common import RESULT_ENV, command_line
+
+    for k in RESULT_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr("sys.argv", ["/x/bin/clover", "bench", "quality", "--out", "a b.json"])
+    assert command_line() == "clover bench quality --out 'a b.json'"
+    monkeypatch.setenv("CLOVER_DOTS_X", "15")
+    monkeypatch.setenv("CLOVER_API_KEY", "secret")  # not a result's: never recorded
+    assert command_line() == "CLOVER_DOTS_X=15 clover bench quality --out 'a b.json'"

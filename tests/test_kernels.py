@@ -256,6 +256,7 @@ def test_a_model_chooses_its_dots_x(monkeypatch):
     monkeypatch.delenv("CLOVER_DOTS_X", raising=False)
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
     assert KNOWN_MODELS["qwen2.5-coder-0.5b"].dots_x == 8  # measured for it
+    assert KNOWN_MODELS["qwen2.5-coder-1.5b"].dots_x == 8
     assert KNOWN_MODELS["smollm2-135m"].dots_x == 15  # its activations' outliers cost too much
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(4, 256, (1, 12), generator=g)

@@ -136,9 +136,10 @@ def test_store_keeper_writes_only_what_changed_and_retries_a_failed_write(tmp_pa
     keeper.start()
     assert not keeper.save() and not path.exists()  # nothing learned: nothing written
     keeper.store.learn([1, 2, 3])
-    folder.rmdir()  # the write fails: logged, the server goes on, the next one retries
+    folder.rmdir()  # a file where the folder was: the write fails, is logged, the server
+    folder.write_text("")  # goes on, and the next write retries
     assert not keeper.save() and "could not write it" in caplog.text
-    folder.mkdir()
+    folder.unlink()
     assert keeper.save() and read_saved(path, "tiny") == [[1, 2, 3]]
     keeper.store.learn([4, 5])
     keeper.stop()  # the last write

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from clover.decoding.policies import DECODERS, DRAFTS
 from clover.errors import CloverError
+from clover.files import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -182,9 +183,17 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+# environment variables that change what a run computes (the kernels' paths and x's bits): a
+# result's command carries those that are set, so that rerunning it reruns the same thing
+RESULT_ENV = ("CLOVER_KERNELS", "CLOVER_KERNEL_ISA", "CLOVER_INT8_DOTS", "CLOVER_DOTS_X")
+
+
 def command_line() -> str:
+    """The command that made a result, as a shell line: `VAR=value` for the RESULT_ENV that
+    are set, then the program and its arguments."""
     prog = Path(sys.argv[0]).name
-    return shlex.join([prog if prog == "clover" else sys.argv[0], *sys.argv[1:]])
+    env = [f"{k}={os.environ[k]}" for k in RESULT_ENV if k in os.environ]
+    return shlex.join([*env, prog if prog == "clover" else sys.argv[0], *sys.argv[1:]])
 
 
 def model_label(model: str) -> str:
@@ -196,9 +205,4 @@ def model_label(model: str) -> str:
 
 
 def write_results(report: dict, out: str | Path) -> Path:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(out, json.dumps(report, indent=1) + "\n")

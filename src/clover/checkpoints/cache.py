@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from clover.checkpoints.registry import cache_dir
+from clover.files import atomic_write_text
 
 SOURCES = "sources.json"
 # bump when the converted layout changes, to invalidate old caches (2: the GGUF's 4-bit
@@ -93,10 +92,8 @@ def write_sources(directory: Path, path: Path, sha256: str, previous: dict | Non
     old = previous["files"] if previous else {}
     files = {name: stamp for name, stamp in old.items() if _unchanged(name, stamp)}
     files[str(path.resolve())] = _stamp(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{SOURCES}.", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"sha256": sha256, "files": files, "version": CONVERSION_VERSION}, f, indent=1)
-    os.replace(tmp, directory / SOURCES)
+    record = {"sha256": sha256, "files": files, "version": CONVERSION_VERSION}
+    atomic_write_text(directory / SOURCES, json.dumps(record, indent=1))
 
 
 def note_use(entry: Path, path: Path, sha256: str) -> None:

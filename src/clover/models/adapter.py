@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import torch
 from torch import nn
 
 from clover.errors import CloverError
+from clover.files import atomic_write
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -193,19 +192,9 @@ def save_adapter(model: nn.Module, path: Path, dtype: torch.dtype = torch.bfloat
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in adapter_state(model).items()}
     meta = {"format": "pt", "clover_adapter": json.dumps(asdict(model.draft_adapter.config))}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; an adapter is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=meta))
 
 
 def read_adapter_config(path: Path) -> AdapterConfig:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clover.errors import CloverError
+from clover.files import atomic_write
 from clover.models.cache import KVCache, ModelCache
 from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout, cached_layout
@@ -392,21 +391,11 @@ def save_drafter(drafter: Drafter, path: Path, dtype: torch.dtype = torch.bfloat
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in drafter.state_dict().items()}
     if drafter.vocab is not None:
         state["draft_vocab"] = drafter.vocab.to(torch.int64).contiguous()
     meta = {"format": "pt", "clover_drafter": json.dumps(asdict(drafter.config))}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=meta))
 
 
 def read_drafter_config(path: Path) -> DrafterConfig:
