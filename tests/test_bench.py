@@ -333,6 +333,11 @@ def test_bench_passes_breakdown_on_a_tiny_quantized_model():
         assert "head" in comp and "rest" in comp and set(r["bounds_ms"]) >= {"weights", "head"}
         if kernels.load() is not None:  # the fused layers ran and their stages were timed
             assert comp["weights"] > 0 and comp["attention"] > 0 and "weights" in r["x_bound"]
+            stages = r["stages_ms"]
+            assert {"qkv", "gate_up", "silu*up", "attention"} <= set(stages)
+            assert comp["weights"] == pytest.approx(
+                sum(stages[k] for k in ("qkv", "o", "gate_up", "down")), abs=0.01
+            )
     report["machine"] = {"torch_threads": torch.get_num_threads()}
     assert "block 3" in format_passes(report)
     assert measure_machine(0.01)["bandwidth_gb_s"] > 0

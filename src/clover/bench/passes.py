@@ -220,6 +220,9 @@ def run_passes(
                     "ms": round(cost["ms"], 3),
                     "x_ar_step": round(cost["ms"] / ar_ms, 3),
                     "components_ms": {k: round(v, 3) for k, v in comp.items()},
+                    # each stage of the fused layers (the components sum them): one stage
+                    # out of line shows here first (SiLU * up once took 0.6 ms a row)
+                    "stages_ms": {k: round(v, 3) for k, v in sorted(stages.items())},
                     "bounds_ms": {k: round(v, 3) for k, v in b.items()},
                     "x_bound": {k: round(comp[k] / b[k], 2) for k in b if k in comp and b[k] > 0},
                 }
