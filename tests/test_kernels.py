@@ -2,6 +2,10 @@
 set this CPU has, for every row count class, and the fused llama layers against the modules."""
 
 import copy
+import json
+import platform
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -579,3 +583,40 @@ def test_a_build_killed_midway_does_not_block_later_loads(tmp_path):
     (tmp_path / "lock").write_text("")
     with kernels._build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
+
+
+def _kernel_ab():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "kernel_ab.py"
+    spec = importlib.util.spec_from_file_location("kernel_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_ab_checks_its_cases():
+    mod = _kernel_ab()
+    assert mod.parse_case("4864,896,4,5,1") == (4864, 896, 4, 5, 1)
+    for bad in ("4864,896,4,5", "4860,896,4,5,1", "4864,900,4,5,1", "4864,896,4,6,1", "a,b,c,d,e"):
+        with pytest.raises(SystemExit, match="case"):
+            mod.parse_case(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("g++") is None or platform.machine() != "x86_64", reason="needs g++ on x86-64"
+)
+def test_kernel_ab_times_two_builds_by_turns(tmp_path, capsys):
+    """benchmarks/kernel_ab.py on the same sources twice: both builds run, give the same
+    outputs to the bit, and the result file records each case."""
+    mod = _kernel_ab()
+    out = tmp_path / "ab.json"
+    cases = ["32,64,3,5,1", "16,32,2,8,2"]
+    assert (
+        mod.main(["worktree", "worktree", "--cases", *cases, "--reps", "2", "--out", str(out)]) == 0
+    )
+    report = json.loads(out.read_text())
+    assert [(r["N"], r["M"], r["bits"]) for r in report["cases"]] == [(32, 3, 5), (16, 2, 8)]
+    assert all(r["same"] and r["a_ms"] > 0 and r["b_ms"] > 0 for r in report["cases"])
+    assert "OUTPUTS DIFFER" not in capsys.readouterr().out
