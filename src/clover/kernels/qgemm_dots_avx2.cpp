@@ -78,7 +78,7 @@ CLOVER_INLINE __m256i high16(__m256i m) {
 
 // y[r] (rows 8h..8h+7) += dot * scale * d (+ low * xsum): qgemm_vnni.cpp's epilogue, 8 lanes.
 // G (groups a row) comes from the caller: computed here, K / group was a 64-bit division per
-// group and half, which cost the kernel ~half its time.
+// group and half (with the int4 halves change: 0.77-0.91x the time, benchmarks/kernel_ab.py).
 template <int MR, bool LOW, bool F16>
 CLOVER_INLINE void epilogue(const QGemm& a, int64_t G, int64_t t, int64_t g, int h,
                             const __m256i* dot, __m256* y) {
