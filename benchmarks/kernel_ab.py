@@ -9,7 +9,9 @@ src/clover/kernels/qgemm_dots_avx2.cpp and qgemm.h are compiled as the extension
 on the same random weights and x: A then B, `reps` times, 10 calls each, the fastest kept.
 Why: on the 2-core hosts here the same pass read 1.0 and 1.5 AR steps in runs 20 minutes
 apart; only alternating the two builds inside one process showed a 10% change for what it was.
-Each case also checks that both builds give the same outputs to the bit (`same`).
+Each case also checks that both builds give the same outputs to the bit (`same`). Both
+revisions must share qgemm.h (one QGemm is handed to both builds) and have `x_planes` in it
+(92ab6a9 on); otherwise the script says so and stops.
 A case: output rows N (a multiple of 16), input width K (of 32), rows of x M, weight bits
 (4, 5 or 8), x planes (1: x on 8 bits; 2: 15 bits; 8-bit weights always 2). The matrix is
 random; scales are float16. Writes benchmarks/results/kernel-ab-<A>-<B>.json.
@@ -134,9 +136,15 @@ def build(a: str, b: str, work: Path) -> Path:
     objects = []
     rename = ["-Dqgemm_tiles_dots_avx2=qgemm_tiles_dots_avx2_b",
               "-Dquantize_rows_avx2=quantize_rows_avx2_b"]  # fmt: skip
-    for tag, rev, extra in (("a", a, []), ("b", b, rename)):
+    for tag, rev in (("a", a), ("b", b)):
+        sources(rev, work / tag)
+    if (work / "a" / FILES[1]).read_text() != (work / "b" / FILES[1]).read_text():
+        raise SystemExit(
+            f"{FILES[1]} differs between {a} and {b}: the program hands one QGemm to both "
+            "builds, so they must share its layout"
+        )
+    for tag, extra in (("a", []), ("b", rename)):
         src = work / tag
-        sources(rev, src)
         obj = work / f"{tag}.o"
         subprocess.run([compiler, *flags, *extra, "-c", str(src / FILES[0]), "-o", str(obj)],
                        check=True)  # fmt: skip

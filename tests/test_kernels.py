@@ -620,3 +620,6 @@ def test_kernel_ab_times_two_builds_by_turns(tmp_path, capsys):
     assert [(r["N"], r["M"], r["bits"]) for r in report["cases"]] == [(32, 3, 5), (16, 2, 8)]
     assert all(r["same"] and r["a_ms"] > 0 and r["b_ms"] > 0 for r in report["cases"])
     assert "OUTPUTS DIFFER" not in capsys.readouterr().out
+    # 92ab6a9 added QGemm.x_planes: the program cannot hand one QGemm to both layouts
+    with pytest.raises(SystemExit, match="qgemm.h differs"):
+        mod.main(["92ab6a9^", "worktree", "--cases", cases[0], "--out", str(out)])
