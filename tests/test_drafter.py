@@ -3,7 +3,6 @@
 import json
 import math
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -807,12 +806,9 @@ def test_drafter_curve_chains_a_continued_run(tmp_path):
     """benchmarks/drafter_curve.py: steps and minutes add up across runs, the feature pass is
     the time before the first step at the steps' pace, a resumed run's repeated steps count
     once."""
-    import importlib.util
+    from tests.conftest import load_benchmark
 
-    path = Path(__file__).parents[1] / "benchmarks" / "drafter_curve.py"
-    spec = importlib.util.spec_from_file_location("drafter_curve", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("drafter_curve")
     for name, offset, init in (("a", 600.0, "random"), ("b", 300.0, "a/drafter.safetensors")):
         run = tmp_path / name
         run.mkdir()

@@ -5,7 +5,6 @@ import copy
 import json
 import platform
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from clover.errors import CloverError
 from clover.kernels.qgemm import QWeight, pack_scales, reference_dots_matmul, reference_matmul
 from clover.models.llama import LlamaConfig, LlamaModel
 from clover.quant import Int4Linear, Int4Part, Int8Linear, project, quantize_model
+from tests.conftest import load_benchmark
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler here")
 
@@ -585,18 +585,8 @@ def test_a_build_killed_midway_does_not_block_later_loads(tmp_path):
         assert not (tmp_path / "lock").exists()
 
 
-def _kernel_ab():
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "benchmarks" / "kernel_ab.py"
-    spec = importlib.util.spec_from_file_location("kernel_ab", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_kernel_ab_checks_its_cases():
-    mod = _kernel_ab()
+    mod = load_benchmark("kernel_ab")
     assert mod.parse_case("4864,896,4,5,1") == (4864, 896, 4, 5, 1)
     for bad in ("4864,896,4,5", "4860,896,4,5,1", "4864,900,4,5,1", "4864,896,4,6,1", "a,b,c,d,e"):
         with pytest.raises(SystemExit, match="case"):
@@ -610,7 +600,7 @@ def test_kernel_ab_checks_its_cases():
 def test_kernel_ab_times_two_builds_by_turns(tmp_path, capsys):
     """benchmarks/kernel_ab.py on the same sources twice: both builds run, give the same
     outputs to the bit, and the result file records each case."""
-    mod = _kernel_ab()
+    mod = load_benchmark("kernel_ab")
     out = tmp_path / "ab.json"
     cases = ["32,64,3,5,1", "16,32,2,8,2"]
     assert (
