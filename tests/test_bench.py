@@ -26,6 +26,7 @@ from clover.bench.speed import (
     LlamaCppEngine,
     TransformersEngine,
     add_ratios,
+    llamacpp_check,
     run_speed,
 )
 from clover.cli import main
@@ -221,6 +222,20 @@ def test_llamacpp_engine_glue(monkeypatch):
     assert calls["init"]["n_threads"] == 2 and e.name == "llama.cpp Q4_1"
     with pytest.raises(CloverError, match="one sequence"):
         e.run([[1], [2]], 5)
+
+
+def test_llamacpp_check_turns_a_crashing_build_into_a_note():
+    ok = "import sys; print('AVX2 = 1 |', sys.argv[1], sys.argv[2])"
+    assert llamacpp_check("m.gguf", 2, program=ok) == (None, "AVX2 = 1 | m.gguf 2")
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    why, info = llamacpp_check("m.gguf", 2, program=crash)
+    assert why.startswith("llama.cpp skipped") and "signal 11" in why and "AMX" in why
+    assert info == ""
+    fails = "import sys; sys.exit('no such file: ' + sys.argv[1])"
+    why, _ = llamacpp_check("m.gguf", 2, program=fails)
+    assert "exit 1" in why and "no such file: m.gguf" in why and "AMX" not in why
+    why, _ = llamacpp_check("m.gguf", 2, timeout=1, program="import time; time.sleep(30)")
+    assert "over 1 s" in why
 
 
 def test_gpu_script_runs_on_cpu_at_tiny_shape():

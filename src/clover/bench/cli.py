@@ -82,6 +82,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         add_ratios,
         gguf_precision,
         llamacpp_available,
+        llamacpp_check,
         probe_rss,
         run_speed,
     )
@@ -135,7 +136,13 @@ def cmd_speed(a: argparse.Namespace) -> int:
     gguf_type = gguf_precision(gguf) if gguf is not None else None
     if gguf is not None and "llama.cpp" in peers:
         if llamacpp_available():
-            engines.append(LlamaCppEngine(gguf, gguf_type, torch.get_num_threads()))
+            why, system = llamacpp_check(gguf, torch.get_num_threads())
+            if why is None:
+                engines.append(LlamaCppEngine(gguf, gguf_type, torch.get_num_threads()))
+                notes.append(f"llama.cpp build: {system}")
+            else:
+                notes.append(why)
+                _log(why)
         else:
             notes.append(LLAMACPP_MISSING)
             _log(LLAMACPP_MISSING)

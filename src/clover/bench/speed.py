@@ -202,6 +202,48 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+_LLAMACPP_CHECK = """
+import sys, llama_cpp
+m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False)
+gen = m.generate(m.tokenize(b"Hello"), top_k=1, temp=0.0)
+next(gen); next(gen)
+print(llama_cpp.llama_print_system_info().decode().strip())
+"""
+
+
+def llamacpp_check(
+    gguf: object, threads: int, timeout: float = 300, program: str = _LLAMACPP_CHECK
+) -> tuple[str | None, str]:
+    """Load `gguf` in llama-cpp-python and make two tokens, in a child process: a llama.cpp
+    build that crashes on this CPU (llama.cpp's AMX backend segfaults on some Sapphire
+    Rapids-class machines with K-quants: llama.cpp issue 20824) would otherwise take the whole
+    benchmark down with it. -> (None, llama.cpp's system info) when it works, else (why it
+    does not, "")."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", program, str(gguf), str(threads)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp skipped: two tokens took over {timeout:.0f} s in a check", ""
+    if proc.returncode == 0:
+        return None, proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+    why = f"llama.cpp skipped: a two-token check of this GGUF died ({how})"
+    if proc.returncode < 0:
+        why += (
+            "; if its log shows an AMX model buffer, this is llama.cpp's AMX backend (issue "
+            "20824): rebuild llama-cpp-python without it, e.g. CMAKE_ARGS='-DGGML_NATIVE=OFF "
+            "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON' "
+            "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python"
+        )
+    else:
+        why += f": {proc.stderr.strip()[-300:]}"
+    return why, ""
+
+
 def gguf_precision(path: object) -> str:
     """The GGUF's weight type as llama.cpp names it (Q4_1, F16, ...)."""
     from gguf import GGUFReader
