@@ -65,6 +65,28 @@ def test_qgemm_matches_reference(isa, kind, monkeypatch):
             torch.testing.assert_close(half.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
 
 
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("kind", ["int4", "int8", "int5low"])
+def test_long_passes_sweep_the_weights_in_chunks_of_rows(isa, kind, monkeypatch):
+    """A pass of more than 2 x 192 rows runs in sweeps of 192 (the last takes what is left of
+    two): the same numbers to the bit as one sweep over all rows, and the reference's."""
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    N, K = 32, 64
+    w = random_weight(kind, N, K, f16=True)
+    bias = torch.randn(N)
+    for M in (383, 384, 421, 600):  # one sweep; two of 192; 192 + 229; 192 + 192 + 216
+        x = torch.randn(M, K)
+        monkeypatch.setenv("CLOVER_QGEMM_ROWS", "0")
+        whole = w.matmul(x, bias, out_bf16=False)
+        monkeypatch.delenv("CLOVER_QGEMM_ROWS")
+        chunked = w.matmul(x, bias, out_bf16=False)
+        assert torch.equal(chunked, whole), (isa, kind, M)
+        assert torch.equal(w.matmul(x, bias), whole.to(torch.bfloat16)), (isa, kind, M)
+        ref = reference_matmul(x, w, bias)
+        tol = 1e-5 * float((x.abs() @ w.dequantized().abs().t()).max() + 1)
+        assert (chunked.double() - ref).abs().max() < tol, (isa, kind, M)
+
+
 def int8_dots_here() -> bool:  # read at collection: also where the kernels cannot build
     module = kernels.load()
     return module is not None and bool(module.int8_dots_supported())
@@ -400,6 +422,31 @@ def test_fused_layers_match_the_modules(model_type):
         for lf, lr in zip(cf.layers, cr.layers):  # the committed K/V agree too
             n = int(cf.lengths.min())
             torch.testing.assert_close(lf.k[:, :, :n], lr.k[:, :, :n], rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("apart", [(), ("v_proj", "up_proj")])
+def test_fused_layers_of_a_long_prefill(apart, monkeypatch):
+    """A prefill of 2 x 230 rows (a long prompt, a drafter's features): the matmuls sweep
+    the weights in chunks of rows, and parts kept apart write their columns of one output in
+    place; the same to the bit as one sweep, and close to the modules."""
+    model = tiny_llama("qwen2")
+    if apart:
+        mark_8bit_levels(model, group16=apart)
+    fast, ref = fused_and_modules(model)
+    ids = torch.randint(4, 256, (2, 230), generator=torch.Generator().manual_seed(9))
+    valid = torch.tensor([230, 200])
+    with torch.inference_mode():
+        monkeypatch.setenv("CLOVER_QGEMM_ROWS", "0")
+        whole = fast(ids, fast.make_cache(2), n_valid=valid)
+        monkeypatch.delenv("CLOVER_QGEMM_ROWS")
+        a, b = (
+            fast(ids, fast.make_cache(2), n_valid=valid),
+            ref(ids, ref.make_cache(2), n_valid=valid),
+        )
+        assert fast.fused and not ref.fused
+        assert torch.equal(a, whole)
+        a, b = a[0].float(), b[0].float()  # row 0: no padding
+        assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
 
 
 def mark_8bit_levels(model: LlamaModel, group16: tuple[str, ...] = ()) -> None:

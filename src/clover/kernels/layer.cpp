@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,13 @@ struct Clock {
     stage_seconds[s] += std::chrono::duration<double>(now - t).count();
     t = now;
   }
+};
+
+// float32 scratch that is written in full before it is read: not zeroed, unlike a vector
+struct Buffer {
+  explicit Buffer(int64_t n) : p(new float[n]) {}
+  float* data() const { return p.get(); }
+  std::unique_ptr<float[]> p;
 };
 
 constexpr int64_t kLoopAttentionRows = 64;  // wider passes use PyTorch's SDPA (prefill)
@@ -160,7 +168,10 @@ class FusedLayer {
     const int64_t F = down_.K, Nq = nqkv_;
     std::vector<uint16_t> hb(M * std::max(D, F));
     std::vector<float> xs(M * (std::max(D, F) / 16 + 1));
-    std::vector<float> qkv(M * Nq), att(M * hq_ * dh_);
+    // what the matmuls and the attention write in full is left uninitialized (a prefill's
+    // gate/up output alone is ~120 MB at 3,000 rows: zeroing it cost more than its matmul's
+    // share of the memory traffic)
+    const Buffer qkv(M * Nq), att(M * hq_ * dh_);
 
     // attention half
     Clock clock;
@@ -184,12 +195,12 @@ class FusedLayer {
     }
     clock.lap(kRopeCache);
     if (T > kLoopAttentionRows)
-      attend_sdpa(qkv, k, v, lay, att.data());
+      attend_sdpa(qkv.data(), k, v, lay, att.data());
     else
       attend_loop(qkv.data(), kc, vc, cap, lay, att.data());
     fused::round_bf16(att.data(), M * hq_ * dh_, hb.data());
     clock.lap(kAttention);
-    std::vector<float> y(M * D);
+    const Buffer y(M * D);
     matmul(o_, hb.data(), xs.data(), M, y.data());
     clock.lap(kO);
     add(xp, y.data(), M * D);
@@ -198,7 +209,7 @@ class FusedLayer {
     // feed-forward half
     fused::rms_norm(xp, ln2_.data_ptr<float>(), M, D, eps_, hb.data());
     clock.lap(kNorm);
-    std::vector<float> gu(M * 2 * F);
+    const Buffer gu(M * 2 * F);
     matmul_parts(gate_up_, hb.data(), xs.data(), M, 2 * F, gu.data());
     clock.lap(kGateUp);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -213,9 +224,10 @@ class FusedLayer {
   }
 
  private:
-  void matmul(const Packed& w, const uint16_t* xb, float* xs, int64_t M, float* out) const {
+  void matmul(const Packed& w, const uint16_t* xb, float* xs, int64_t M, float* out,
+              int64_t ldo = 0) const {
     if (w.has_low) group_sums(xb, M, w.K, w.group, xs);
-    qgemm_rows(w, xb, w.has_low ? xs : nullptr, M, out, nullptr, isa_);
+    qgemm_rows(w, xb, w.has_low ? xs : nullptr, M, out, nullptr, isa_, ldo);
   }
 
   // out [M, N] = the parts' outputs side by side (one part: straight into out)
@@ -223,11 +235,8 @@ class FusedLayer {
                     int64_t N, float* out) const {
     if (parts.size() == 1) return matmul(parts[0], xb, xs, M, out);
     int64_t at = 0;
-    for (const Packed& w : parts) {
-      std::vector<float> part(M * w.N);
-      matmul(w, xb, xs, M, part.data());
-      for (int64_t m = 0; m < M; ++m)
-        std::memcpy(out + m * N + at, part.data() + m * w.N, sizeof(float) * w.N);
+    for (const Packed& w : parts) {  // each part writes its columns of out's rows
+      matmul(w, xb, xs, M, out + at, N);
       at += w.N;
     }
   }
@@ -280,14 +289,14 @@ class FusedLayer {
   }
 
   // wide passes (prefill): PyTorch's fused attention with the layout's mask
-  void attend_sdpa(const std::vector<float>& qkv, const at::Tensor& k, const at::Tensor& v,
+  void attend_sdpa(const float* qkv, const at::Tensor& k, const at::Tensor& v,
                    const Layout& lay, float* out) const {
     const int64_t B = lay.B, T = lay.T;
     int64_t S = 0;
     for (int64_t b = 0; b < B; ++b) S = std::max(S, lay.lengths[b] + T);
     auto opts = k.options();
     const at::Tensor all =
-        at::from_blob(const_cast<float*>(qkv.data()), {B, T, nqkv_ / dh_, dh_}, opts);
+        at::from_blob(const_cast<float*>(qkv), {B, T, nqkv_ / dh_, dh_}, opts);
     const at::Tensor q = all.narrow(2, 0, hq_).transpose(1, 2);  // [B, Hq, T, Dh]
     at::Tensor mask = at::empty({B, 1, T, S}, opts.dtype(at::kBool));
     bool* mp = mask.data_ptr<bool>();

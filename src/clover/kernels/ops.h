@@ -15,10 +15,10 @@ struct Packed {  // a QWeight of clover/kernels/qgemm.py
 Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, int64_t group,
                    bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias);
 
-// out [M, N] (float32 or bfloat16: the one not null) = xb [M, K] . W^T (+ bias), over PyTorch's
-// threads. xs: xb's sums per group (affine weights only).
+// out [M, N] (float32 or bfloat16: the one not null; rows ldo apart, 0: N) = xb [M, K] . W^T
+// (+ bias), over PyTorch's threads. xs: xb's sums per group (affine weights only).
 void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M, float* out_f32,
-                uint16_t* out_bf16, int64_t isa);
+                uint16_t* out_bf16, int64_t isa, int64_t ldo = 0);
 
 // xs [M, K / group] = sums of xb [M, K] per group
 void group_sums(const uint16_t* xb, int64_t M, int64_t K, int64_t group, float* xs);

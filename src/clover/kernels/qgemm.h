@@ -38,8 +38,10 @@ struct QGemm {
   const uint8_t* q = nullptr;
   const void* scales = nullptr;  // [NT, G, 16] scales, then [NT, G, 16] lows if has_low
   const float* bias = nullptr;   // [N] or null
-  float* out_f32 = nullptr;      // [M, N], one of the two outputs
+  float* out_f32 = nullptr;      // [M, N] rows ldo apart, one of the two outputs
   uint16_t* out_bf16 = nullptr;
+  int64_t ldo = 0;  // output rows this far apart (0: N); parts of a wider output set it
+  int64_t out_stride() const { return ldo > 0 ? ldo : N; }
   // the integer-dot paths (qgemm_vnni.cpp, qgemm_dots_avx2.cpp): x rounded per group, in the
   // weights' order
   const int8_t* xq = nullptr;    // [M, 2, K]: high and low int8 planes, x_q = 128 high + low

@@ -88,9 +88,9 @@ CLOVER_INLINE void bf16x8_to_f32(const uint16_t* x, float* out) {
 CLOVER_INLINE void put(const QGemm& a, int64_t m, int64_t n, float v) {
   if (a.bias) v += a.bias[n];
   if (a.out_f32)
-    a.out_f32[m * a.N + n] = v;
+    a.out_f32[m * a.out_stride() + n] = v;
   else
-    a.out_bf16[m * a.N + n] = to_bf16(v);
+    a.out_bf16[m * a.out_stride() + n] = to_bf16(v);
 }
 
 // y (row, parity lanes) += scale * acc (+ low * sum of the group's x) for one row

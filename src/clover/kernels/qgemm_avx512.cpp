@@ -132,7 +132,7 @@ CLOVER_INLINE void rows(int64_t mc, const uint8_t* base, __m512i* wbuf, __m512i 
 // row `row` of the output, columns of tile t: v + bias
 CLOVER_INLINE void store_row(const QGemm& a, int64_t t, int64_t row, __m512 v) {
   if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
-  const int64_t o = row * a.N + 16 * t;
+  const int64_t o = row * a.out_stride() + 16 * t;
   if (a.out_f32)
     _mm512_storeu_ps(a.out_f32 + o, v);
   else

@@ -97,7 +97,7 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
   for (int r = 0; r < MR; ++r) {
     __m256 v = y[r];
     if (a.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + 16 * t + 8 * h));
-    const int64_t o = r * a.N + 16 * t + 8 * h;
+    const int64_t o = r * a.out_stride() + 16 * t + 8 * h;
     if (a.out_f32) {
       _mm256_storeu_ps(a.out_f32 + o, v);
     } else {
@@ -311,9 +311,9 @@ void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) {
       b.xd = a.xd + r0 * G;
       b.xqs = a.xqs + r0 * G;
       if (a.xsum) b.xsum = a.xsum + r0 * G;
-      // outputs: row r of the block at (r0 + r) * N; the kernels write r * N + 16 t
-      if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.N;
-      if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.N;
+      // outputs: row r of the block at (r0 + r) * ldo; the kernels write r * ldo + 16 t
+      if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.out_stride();
+      if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.out_stride();
       switch (b.M) {
         case 1: run_rows<1>(b, t, t + 1); break;
         case 2: run_rows<2>(b, t, t + 1); break;

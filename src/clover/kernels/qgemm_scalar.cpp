@@ -68,9 +68,9 @@ void qgemm_tiles_scalar(const QGemm& a, int64_t t0, int64_t t1) {
         }
         if (a.bias) y += a.bias[n];
         if (a.out_f32)
-          a.out_f32[m * a.N + n] = y;
+          a.out_f32[m * a.out_stride() + n] = y;
         else
-          a.out_bf16[m * a.N + n] = to_bf16(y);
+          a.out_bf16[m * a.out_stride() + n] = to_bf16(y);
       }
     }
   }

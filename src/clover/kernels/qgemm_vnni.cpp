@@ -123,7 +123,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
     for (int r = 0; r < MR; ++r) {
       __m512 v = y[r];
       if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
-      const int64_t o = r * a.N + 16 * t;
+      const int64_t o = r * a.out_stride() + 16 * t;
       if (a.out_f32) {
         _mm512_storeu_ps(a.out_f32 + o, v);
       } else {
