@@ -298,6 +298,16 @@ class FusedLayer {
     const at::Tensor all =
         at::from_blob(const_cast<float*>(qkv), {B, T, nqkv_ / dh_, dh_}, opts);
     const at::Tensor q = all.narrow(2, 0, hq_).transpose(1, 2);  // [B, Hq, T, Dh]
+    const at::Tensor ks = k.narrow(2, 0, S), vs = v.narrow(2, 0, S);
+    bool first = true;  // a first prefill: no cached prefix, no block tokens
+    for (int64_t b = 0; b < B; ++b) first = first && lay.lengths[b] == 0 && lay.n_block[b] == 0;
+    if (first) {  // plain causal: SDPA skips the masked half, which an explicit mask it cannot
+      const at::Tensor o =
+          at::scaled_dot_product_attention(q, ks, vs, c10::nullopt, 0.0, true, c10::nullopt,
+                                           hq_ != hkv_);
+      at::from_blob(out, {B, T, hq_, dh_}, opts).copy_(o.transpose(1, 2));
+      return;
+    }
     at::Tensor mask = at::empty({B, 1, T, S}, opts.dtype(at::kBool));
     bool* mp = mask.data_ptr<bool>();
     for (int64_t b = 0; b < B; ++b)
@@ -306,7 +316,7 @@ class FusedLayer {
         for (int64_t s = 0; s < S; ++s) mp[(b * T + t) * S + s] = s < e;
       }
     const at::Tensor o = at::scaled_dot_product_attention(
-        q, k.narrow(2, 0, S), v.narrow(2, 0, S), mask, 0.0, false, c10::nullopt, hq_ != hkv_);
+        q, ks, vs, mask, 0.0, false, c10::nullopt, hq_ != hkv_);
     at::Tensor dst = at::from_blob(out, {B, T, hq_, dh_}, opts);
     dst.copy_(o.transpose(1, 2));
   }
