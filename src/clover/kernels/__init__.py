@@ -22,6 +22,9 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
   model chooses it (`ModelEntry.dots_x`, carried by its weights and fused layers); 8-bit
   weights keep 15 bits. `$CLOVER_DOTS_X=8` or `15` overrides every model. AVX2 code on every
   x86 CPU, so either CPU class gives the same tokens.
+- Passes of more than 384 rows (a long prefill, a drafter's features) sweep the weights once
+  per 192 rows, so x stays in cache while the weight tiles pass (`$CLOVER_QGEMM_ROWS` sets the
+  rows, 0 takes all at once; the results are the same to the bit).
 - Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
   PyTorch's own kernels; a one-line notice says so once.
 """
