@@ -288,7 +288,7 @@ class FusedLayer {
     });
   }
 
-  // wide passes (prefill): PyTorch's fused attention with the layout's mask
+  // wide passes (prefill): PyTorch's fused attention, causal or under the layout's mask
   void attend_sdpa(const float* qkv, const at::Tensor& k, const at::Tensor& v,
                    const Layout& lay, float* out) const {
     const int64_t B = lay.B, T = lay.T;
@@ -301,22 +301,19 @@ class FusedLayer {
     const at::Tensor ks = k.narrow(2, 0, S), vs = v.narrow(2, 0, S);
     bool first = true;  // a first prefill: no cached prefix, no block tokens
     for (int64_t b = 0; b < B; ++b) first = first && lay.lengths[b] == 0 && lay.n_block[b] == 0;
-    if (first) {  // plain causal: SDPA skips the masked half, which an explicit mask it cannot
-      const at::Tensor o =
-          at::scaled_dot_product_attention(q, ks, vs, c10::nullopt, 0.0, true, c10::nullopt,
-                                           hq_ != hkv_);
-      at::from_blob(out, {B, T, hq_, dh_}, opts).copy_(o.transpose(1, 2));
-      return;
+    // plain causal (first): SDPA skips the masked half, which under an explicit mask it cannot
+    c10::optional<at::Tensor> mask;
+    if (!first) {
+      mask = at::empty({B, 1, T, S}, opts.dtype(at::kBool));
+      bool* mp = mask->data_ptr<bool>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t e = lay.end(b, t);
+          for (int64_t s = 0; s < S; ++s) mp[(b * T + t) * S + s] = s < e;
+        }
     }
-    at::Tensor mask = at::empty({B, 1, T, S}, opts.dtype(at::kBool));
-    bool* mp = mask.data_ptr<bool>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t e = lay.end(b, t);
-        for (int64_t s = 0; s < S; ++s) mp[(b * T + t) * S + s] = s < e;
-      }
-    const at::Tensor o = at::scaled_dot_product_attention(
-        q, ks, vs, mask, 0.0, false, c10::nullopt, hq_ != hkv_);
+    const at::Tensor o = at::scaled_dot_product_attention(q, ks, vs, mask, 0.0, first,
+                                                          c10::nullopt, hq_ != hkv_);
     at::Tensor dst = at::from_blob(out, {B, T, hq_, dh_}, opts);
     dst.copy_(o.transpose(1, 2));
   }

@@ -1,8 +1,6 @@
 // Python bindings of Clover's CPU kernels (built on first use by clover/kernels/__init__.py):
 // argument checks, output allocation and the split of the work over PyTorch's threads.
 #include <ATen/Parallel.h>
-#include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <torch/extension.h>
@@ -168,8 +166,9 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   a.bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
   a.out_f32 = out_f32;
   a.out_bf16 = out_bf16;
-  a.ldo = ldo > 0 ? ldo : w.N;
-  TORCH_CHECK(a.ldo >= w.N, "output rows ", a.ldo, " apart hold fewer than N = ", w.N);
+  a.ldo = ldo;
+  const int64_t stride = a.out_stride();
+  TORCH_CHECK(stride >= w.N, "output rows ", stride, " apart hold fewer than N = ", w.N);
   TileFn fn = tile_fn(isa);
   std::vector<int8_t> xq;
   std::vector<float> xd;
@@ -202,8 +201,8 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
     c.M = rows;
     c.xb = xb + m0 * w.K;
     if (xs != nullptr) c.xsum = xs + m0 * (w.K / w.group);
-    if (out_f32 != nullptr) c.out_f32 = out_f32 + m0 * a.ldo;
-    if (out_bf16 != nullptr) c.out_bf16 = out_bf16 + m0 * a.ldo;
+    if (out_f32 != nullptr) c.out_f32 = out_f32 + m0 * stride;
+    if (out_bf16 != nullptr) c.out_bf16 = out_bf16 + m0 * stride;
     at::parallel_for(0, w.N / 16, 1, [&](int64_t t0, int64_t t1) { fn(c, t0, t1); });
     m0 += rows;
   }
