@@ -4,7 +4,7 @@ import re
 from clover.bench.quality import load_suite
 from clover.bench.speed import PROMPTS
 from clover.data.distill import distill, done_ids, load_examples
-from clover.data.prompts import KINDS, prompt_set
+from clover.data.prompts import KINDS, PROMPT_SET_VERSION, prompt_set
 
 
 def test_prompt_set_is_deterministic_and_split_by_id():
@@ -112,14 +112,43 @@ def test_distill_will_not_mix_answers_made_differently(tiny_checkpoint, tmp_path
     meta = json.loads((out / "meta.json").read_text())
     del meta["prompt_set"]  # a directory from before the version was recorded
     (out / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CloverError, match="prompt_set 1 -> 2"):
+    with pytest.raises(CloverError, match=f"prompt_set 1 -> {PROMPT_SET_VERSION}"):
         distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)
     assert (out / "distill.jsonl").read_bytes() == before
     with pytest.warns(UserWarning, match="prompt set 1, which holds quality-suite"):
         load_examples(out)  # the trainers read it: they say the data is the old set
-    meta["prompt_set"] = 2
+    meta["prompt_set"] = PROMPT_SET_VERSION
     (out / "meta.json").write_text(json.dumps(meta))
     assert distill(str(tiny_checkpoint), out, 4, top_k=2, **kw)["written"] == 2
+
+
+def test_distill_skips_prompts_answered_in_another_directory(tiny_checkpoint, tmp_path):
+    """A new prompt-set version repeats many of the old set's prompts: `skip` leaves out those
+    another directory of the same teacher answered, so the two train side by side without
+    doubles; a directory of another teacher or none at all is refused before anything is
+    written."""
+    import pytest
+
+    from clover.errors import CloverError
+
+    kw = dict(max_tokens=3, batch_size=2, top_k=2, dtype="float32", progress=False)
+    first, second = tmp_path / "a", tmp_path / "b"
+    distill(str(tiny_checkpoint), first, 5, **kw)
+    stats = distill(str(tiny_checkpoint), second, 9, skip=[first], **kw)
+    a, b = done_ids(first / "distill.jsonl"), done_ids(second / "distill.jsonl")
+    assert stats["answered_elsewhere"] == 5 and stats["written"] == 4 and len(b) == 4
+    assert not a & b and a | b == {p["id"] for p in prompt_set(9)}
+    assert json.loads((second / "meta.json").read_text())["answered_elsewhere"] == [str(first)]
+    with pytest.raises(CloverError, match="no distill.jsonl"):
+        distill(str(tiny_checkpoint), tmp_path / "c", 9, skip=[tmp_path / "none"], **kw)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(CloverError, match="output directory itself"):
+        distill(str(tiny_checkpoint), second, 9, skip=[second], **kw)
+    meta = json.loads((first / "meta.json").read_text())
+    (first / "meta.json").write_text(json.dumps({**meta, "teacher": "another-model"}))
+    with pytest.raises(CloverError, match="answers of 'another-model'"):
+        distill(str(tiny_checkpoint), second, 12, skip=[first], **kw)
+    assert done_ids(second / "distill.jsonl") == b
 
 
 def test_distill_leaves_out_prompts_longer_than_the_teacher_s_context(tiny_checkpoint, tmp_path):

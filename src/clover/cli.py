@@ -420,6 +420,7 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
     stats = distill(
         a.model, a.out, a.prompts, max_tokens=a.max_tokens, batch_size=a.batch_size,
         top_k=a.top_k, seed=a.seed, dtype=a.dtype, device=a.device, max_minutes=a.max_minutes,
+        skip=[Path(d) for d in a.skip],
     )  # fmt: skip
     print(json.dumps(stats))
     return 0
@@ -617,6 +618,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-minutes",
         type=float,
         help="take no new prompt past this; the answers in flight finish (resumable)",
+    )
+    d.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another distilled directory to train beside this one: its prompts are not "
+        "answered again (repeatable)",
     )
     d.set_defaults(func=cmd_data_distill)
     tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)

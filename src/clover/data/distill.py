@@ -81,11 +81,14 @@ def distill(
     dtype: str = "auto",
     device: str = "cpu",
     max_minutes: float | None = None,
+    skip: list[Path] | tuple = (),
     progress: bool = True,
 ) -> dict:
     """Distil `n_prompts` prompts (resumable); returns counts. `device` "cuda" runs the teacher
     on a GPU (dtype auto -> float32 there: the GGUF's levels, unrounded); `max_minutes` stops
-    once that much time has passed, after the answers in flight (a rerun continues)."""
+    once that much time has passed, after the answers in flight (a rerun continues). `skip`:
+    other distilled directories (of this teacher) to train beside this one: prompts they
+    already answered are not answered again (a new prompt-set version repeats many of them)."""
     from clover.checkpoints import resolve_device
     from clover.decoding.loop import BatchDecoder
     from clover.engine import LLM, GenerationSettings
@@ -98,13 +101,24 @@ def distill(
     if dev.type != "cpu" and dtype == "auto":
         dtype = "float32"  # the teacher's distributions: the GGUF's levels, unrounded
     out_dir = Path(out_dir)
+    elsewhere: set[str] = set()
+    for other in map(Path, skip):
+        if not (other / "distill.jsonl").is_file():
+            raise CloverError(f"--skip {other}: no distill.jsonl there (nothing was changed)")
+        if other.resolve() == out_dir.resolve():
+            raise CloverError(f"--skip {other} is the output directory itself")
+        elsewhere |= done_ids(other / "distill.jsonl")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "distill.jsonl"
     _truncate_torn_tail(path)
-    prompts = prompt_set(n_prompts, seed)
+    prompts = [p for p in prompt_set(n_prompts, seed) if p["id"] not in elsewhere]
     done = done_ids(path)
     todo = [p for p in prompts if p["id"] not in done]
     llm = LLM(model, dtype=dtype, progress=progress, device=str(dev))
+    for other in skip:  # another teacher's answers are no reason to leave a prompt out
+        teacher = (read_meta(Path(other)) or {}).get("teacher")
+        if teacher != llm.name:
+            raise CloverError(f"--skip {other} holds answers of {teacher!r}, not of {llm.name!r}")
     meta = {
         "teacher": llm.name,
         "dtype": llm.dtype,
@@ -115,6 +129,7 @@ def distill(
         "decoder": "ar (greedy)",
         "device": str(dev),
         "prompt_set": PROMPT_SET_VERSION,
+        "answered_elsewhere": sorted(str(d) for d in skip),  # --skip: not part of the check
     }
     _check_meta(out_dir, meta, done)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -189,7 +204,8 @@ def distill(
             batch.close()
     if bar is not None:
         bar.close()
-    return {"written": written, "skipped": len(prompts) - len(todo), "too_long": too_long,
+    return {"written": written, "skipped": len(prompts) - len(todo),
+            "answered_elsewhere": n_prompts - len(prompts), "too_long": too_long,
             "left": len(todo) - written - too_long, "answer_tokens": tokens,
             "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
@@ -240,7 +256,7 @@ def load_examples(path: Path, split: str | None = None) -> list[dict]:
     if not path.exists():
         raise CloverError(f"no distillation data at {path}: run `clover data distill` first")
     meta = read_meta(path.parent)
-    if meta is not None and meta["prompt_set"] < PROMPT_SET_VERSION:
+    if meta is not None and meta["prompt_set"] < 2:  # set 2 on is kept clear of the suite
         warnings.warn(
             f"{path.parent} was distilled from prompt set {meta['prompt_set']}, which holds "
             "quality-suite questions: acceptance measured on the suite after training on it "

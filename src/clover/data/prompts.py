@@ -1,10 +1,11 @@
 """The project's own prompt set for self-distillation, generated from templates.
 
-Twenty-one kinds (code, named functions, code edits, follow-up turns on code, explaining code,
-SQL, shell, how-to steps, comparison, story or poem, email, JSON, explanation, list, fact,
-rewrite, arithmetic, multi-turn, questions on a given text, classification, long answers), each
-a few templates filled from small vocabularies written here, so thousands of distinct prompts
-come from a few hundred lines and no external text. `prompt_set(n, seed)` is deterministic: the same
+Twenty-six kinds (code, named functions, code edits, follow-up turns on code, explaining
+code, SQL, shell, how-to steps, comparison, story or poem, email, JSON, explanation, list,
+fact, rewrite, arithmetic, multi-turn, questions on a given text, classification, long answers,
+descriptions, advice, why-questions, notes, product texts), each a few templates filled from
+small vocabularies written here, so thousands of distinct prompts come from a few hundred
+lines and no external text. `prompt_set(n, seed)` is deterministic: the same
 (n, seed) always gives the same prompts with the same ids, which is what makes distillation
 resumable and the held-out split stable.
 """
@@ -16,8 +17,11 @@ import random
 
 # Bumped whenever the templates or vocabularies change what prompt_set returns: a distilled
 # directory records it, and `clover data distill` will not extend one of another version.
-# 1: the first sets (until 2026-12); 2: 21 kinds, kept clear of the benchmarks' items.
-PROMPT_SET_VERSION = 2
+# 1: the first sets (until 2026-12); 2: 21 kinds, kept clear of the benchmarks' items;
+# 3: 26 kinds (describe, advice, why, note, product added) and vocabularies about three times
+# as large, so that prose prompts do not run out long before the templated arithmetic and
+# reading ones (in set 2, 12,000 prompts were 49% reading/arithmetic, their last 6,000 78%).
+PROMPT_SET_VERSION = 3
 
 # The vocabularies are kept apart from the benchmarks' own items: no question, code task, topic
 # or story of benchmarks/suites/quality.jsonl or of `clover bench speed`'s prompts appears here,
@@ -32,9 +36,25 @@ TOPICS = [
     "the immune system", "rivers", "ants", "owls", "printing presses", "spreadsheets",
     "operating systems", "web browsers", "version control", "compost", "submarines",
     "hot air balloons", "fermentation", "telescopes", "satellites", "glass making",
+    "clouds", "lightning", "sound waves", "echoes", "friction", "rust", "soap", "yeast",
+    "honey bees", "migrating birds", "bats", "octopuses", "jellyfish", "mushrooms", "moss",
+    "seeds", "pollination", "the human heart", "the lungs", "bones", "teeth", "the skin",
+    "dreams", "habits", "languages", "alphabets", "numbers", "zero", "clocks", "lighthouses",
+    "canals", "dams", "tunnels", "skyscrapers", "elevators", "refrigerators", "microwaves",
+    "radios", "cameras", "lasers", "robots", "search engines", "passwords", "spam email",
+    "cloud storage", "open source software", "unit tests", "recursion", "sorting algorithms",
+    "hash tables", "the stock market", "taxes", "insurance", "trade", "supply and demand",
+    "elections", "libraries of code", "museums", "the Olympic games", "orchestras", "jazz",
+    "photography", "pottery", "origami", "knitting", "beekeeping", "bird watching",
+    "sailing", "mountain climbing", "marathons", "yoga", "chocolate", "cheese making",
+    "spices", "rice farming", "coffee plants", "tea ceremonies", "volcanic islands",
+    "the Arctic", "rainforests", "savannas", "wetlands", "caves", "fossils", "dinosaurs",
+    "the ice ages", "the printing of money", "the postal service", "railways", "ferries",
 ]  # fmt: skip
 AUDIENCES = ["a child", "a beginner", "a busy manager", "a high-school student",
-             "a new programmer", "someone who has never heard of it"]  # fmt: skip
+             "a new programmer", "someone who has never heard of it", "a grandparent",
+             "a science teacher", "a tourist", "a ten-year-old", "an engineer from another field",
+             "a university student"]  # fmt: skip
 # (function name, arguments, what it does): code tasks none of which the quality suite asks
 FUNCS = [
     ("clamp", "x, lo, hi", "returns x limited to the range lo..hi"),
@@ -61,8 +81,32 @@ FUNCS = [
     ("compound", "principal, rate, years", "returns the balance after yearly compound interest"),
     ("only_digits", "s", "returns True if the string s is non-empty and all digits"),
     ("lcm", "a, b", "returns the least common multiple of two positive integers"),
+    ("mode", "xs", "returns the most frequent item of the non-empty list xs"),
+    ("dedupe_keep_order", "xs", "returns xs without repeated items, keeping the first of each"),
+    ("word_lengths", "s", "returns a list of the lengths of the words in s"),
+    ("is_rotation", "a, b", "returns True if the string b is a rotation of the string a"),
+    ("pad_left", "s, width, ch", "returns s padded on the left with ch to the given width"),
+    ("safe_divide", "a, b", "returns a / b, or None when b is zero"),
+    ("group_by_length", "words", "returns a dictionary from word length to the words of it"),
+    ("transpose", "rows", "returns the transpose of a list of equal-length lists"),
+    ("percent_change", "old, new", "returns the percentage change from old to new"),
+    ("count_lines", "text", "returns how many non-empty lines the string text has"),
+    ("kebab_case", "s", "turns a phrase like 'Hello World' into 'hello-world'"),
+    ("kth_biggest", "xs, k", "returns the k-th biggest distinct number in xs"),
+    ("pairwise_diffs", "xs", "returns the differences between neighbouring numbers in xs"),
+    ("sum_of_squares", "n", "returns 1*1 + 2*2 + ... + n*n"),
+    ("is_subset", "a, b", "returns True if every item of the list a is in the list b"),
+    ("truncate", "s, n", "returns s cut to n characters, ending with '...' if it was cut"),
+    ("between", "x, lo, hi", "returns True if lo <= x <= hi"),
+    ("bits_set", "n", "returns how many 1 bits the non-negative integer n has"),
+    ("mask_email", "email", "returns the email with all but the first letter of the name hidden"),
+    ("weekday_name", "i", "returns the name of weekday i, 0 being Monday"),
+    ("histogram", "xs", "returns a text bar chart with one line of stars per number in xs"),
+    ("split_evenly", "total, n", "splits total into n integers that differ by at most one"),
+    ("roman_numeral", "n", "returns the Roman numeral for an integer from 1 to 3999"),
+    ("parse_key_values", "s", "turns 'a=1;b=2' into a dictionary of strings"),
 ]  # fmt: skip
-LANGS = ["Python", "JavaScript"]
+LANGS = ["Python", "JavaScript", "Go", "Rust", "TypeScript"]
 LIST_THINGS = [
     "ways to save energy at home", "healthy breakfast ideas", "things to pack for a hike",
     "ways to learn a new language", "uses of a paper clip", "good habits for programmers",
@@ -71,6 +115,14 @@ LIST_THINGS = [
     "questions to ask at the end of an interview", "uses of baking soda",
     "signs that a plant needs water", "tips for a first camping trip",
     "ways to keep a laptop battery healthy", "ideas for an indoor afternoon",
+    "ways to make a small flat feel bigger", "cheap hobbies to start this year",
+    "things to do on a long train ride", "ways to use leftover rice", "games to play with a ball",
+    "ways to be a better listener", "reasons to learn to cook", "tools every home should have",
+    "ways to waste less food", "questions to ask a new doctor", "birds you can see in a park",
+    "ways to make meetings shorter", "signs that software needs refactoring",
+    "things to know before adopting a rabbit", "ways to keep cool in a heatwave",
+    "gift ideas for a gardener", "ways to practise a musical instrument every day",
+    "mistakes new drivers make", "ways to write clearer emails", "snacks to take on a road trip",
 ]  # fmt: skip
 COUNTRIES = ["Peru", "Kenya", "India", "Norway", "Chile", "Vietnam", "Poland", "Morocco",
              "Argentina", "Sweden", "Greece", "Thailand"]  # fmt: skip
@@ -240,17 +292,37 @@ TASKS = [
     "write a good commit message", "boil an egg", "start a vegetable soup",
     "fix a squeaky door hinge", "make a paper airplane", "write a simple monthly budget",
     "repot a houseplant", "set up a Python virtual environment", "undo the last git commit",
-    "wrap a present neatly",
+    "wrap a present neatly", "iron a shirt", "sharpen a kitchen knife", "bake a loaf of bread",
+    "hang a picture on a wall", "train a puppy to sit", "plan a week of meals",
+    "write a cover letter", "learn to juggle three balls", "clean a frying pan",
+    "organize a bookshelf", "start running as a beginner", "sew on a button",
+    "make a simple website", "read a nutrition label", "pack a suitcase for a week",
+    "save money for a holiday", "write a thank-you card", "prepare a short presentation",
+    "find a bug in a Python program", "merge two git branches", "set up a home Wi-Fi network",
+    "paint a room", "grow herbs on a windowsill", "care for a cast iron pan",
 ]  # fmt: skip
 PAIRS = [
     ("trains", "planes"), ("Python", "JavaScript"), ("solar power", "wind power"),
     ("books", "films"), ("a laptop", "a tablet"), ("running", "swimming"),
     ("cities", "villages"), ("lists", "tuples in Python"), ("email", "instant messaging"),
     ("renting", "buying a home"), ("SQL", "NoSQL databases"), ("paper books", "e-readers"),
+    ("tea", "hot chocolate"), ("buses", "trams"), ("working from home", "working in an office"),
+    ("walking", "cycling to work"), ("Linux", "Windows"), ("git merge", "git rebase"),
+    ("classes", "functions in Python"), ("summer holidays", "winter holidays"),
+    ("public schools", "home schooling"), ("electric cars", "petrol cars"),
+    ("a desktop computer", "a laptop"), ("mountains", "beaches"), ("chess", "checkers"),
+    ("podcasts", "audiobooks"), ("TCP", "UDP"), ("tabs", "spaces for indentation"),
 ]  # fmt: skip
 CHARACTERS = ["a clumsy dragon", "a curious cat", "an old lighthouse keeper", "a young baker",
               "a tired astronaut", "a brave little boat", "a shy giraffe",
-              "a retired pirate"]  # fmt: skip
+              "a retired pirate", "a lonely robot vacuum", "a girl who collects maps",
+              "a grumpy old tortoise", "a detective who is afraid of the dark",
+              "two rival bakers", "a snowman in spring", "a fox who wants to fly",
+              "a village without clocks", "a lost umbrella", "a nervous first-day teacher",
+              "a talking teapot", "a boy who can hear plants", "a forgetful wizard",
+              "a sleepy bear who misses winter", "a mail carrier on the moon",
+              "an ant who builds a bridge", "a knight who is allergic to horses",
+              "a lighthouse cat", "a travelling musician", "a very small giant"]  # fmt: skip
 SUFFIXES = ["", "", " Keep it short.", " Use simple words.", " Be precise.",
             " Answer in under 120 words.", " Add a one-line summary at the end."]  # fmt: skip
 RECIPIENTS = ["your manager", "a colleague", "a neighbour", "a customer", "your team"]
@@ -259,6 +331,12 @@ OCCASIONS = [
     "tell the team the office is closed on Monday", "ask a landlord to fix the heating",
     "invite the neighbours to a street party", "apologize for missing a meeting",
     "ask for a day off next week", "announce a new team member",
+    "ask the IT team to reset a password", "remind the team about a deadline on Thursday",
+    "decline a meeting politely", "ask a supplier about a late delivery",
+    "welcome a new customer", "request feedback on a presentation",
+    "tell a client about a price change", "congratulate a colleague on a promotion",
+    "ask for a refund for a broken kettle", "propose moving the weekly meeting to Tuesday",
+    "share the notes from a workshop", "ask a professor for a reference letter",
 ]  # fmt: skip
 
 
@@ -437,6 +515,111 @@ def _classify(r: random.Random) -> list[dict]:
     return [{"role": "user", "content": q + r.choice(["", " Explain briefly.", " One line."])}]
 
 
+SCENES = [
+    "a quiet train station at night", "a farmers' market on a summer morning",
+    "an old wooden bridge over a river", "a school playground after the bell",
+    "a crowded airport gate", "a small bakery at dawn", "a snowy forest path",
+    "a harbour full of fishing boats", "a kitchen during a family dinner",
+    "an empty theatre before a show", "a desert at sunset", "a server room",
+    "a greenhouse in winter", "a street market in the evening", "a mountain hut",
+    "a hospital corridor at night", "a bicycle repair shop", "a quiet reading room",
+    "a football stadium on match day", "a garden after a storm", "an open-plan office",
+    "a ferry crossing on a windy day", "a night sky far from any town", "a busy laundromat",
+]  # fmt: skip
+OBJECTS = [
+    "an old pocket watch", "a mechanical keyboard", "a pair of hiking boots", "a candle",
+    "a paper map", "a wooden chess set", "a fountain pen", "a teapot", "a bicycle bell",
+    "a violin", "a garden hose", "a sourdough loaf", "a rubber duck", "a compass",
+    "a typewriter", "a lunch box", "a kite", "a desk lamp",
+]  # fmt: skip
+ACTIVITIES = [
+    "learning to draw", "running a first 10 km race", "giving a speech", "moving to a new city",
+    "working night shifts", "learning to swim as an adult", "reviewing someone's code",
+    "writing a first novel", "keeping a garden alive", "saving for retirement",
+    "travelling alone", "learning a second programming language", "living with roommates",
+    "looking after an elderly parent", "starting a small business",
+    "teaching a child to ride a bike",
+    "taking better photos with a phone", "writing documentation", "cooking for a large group",
+    "getting up earlier", "managing a first team", "preparing for a driving test",
+]  # fmt: skip
+SITUATIONS = [
+    "has just failed an important test", "cannot decide between two job offers",
+    "wants to get fit but has little time", "is nervous about flying",
+    "keeps forgetting people's names", "has too many browser tabs open all day",
+    "just inherited a messy codebase", "wants to read more but never finishes books",
+    "is moving abroad next month", "finds it hard to say no to extra work",
+    "wants to learn to play the guitar", "is about to give a wedding speech",
+]  # fmt: skip
+HABITS = [
+    "celebrate birthdays", "travel abroad", "keep diaries", "collect stamps", "grow their own food",
+    "play video games", "watch the same films again", "tell jokes", "sing in choirs",
+    "go camping", "write letters", "visit museums", "learn foreign languages",
+    "volunteer", "follow sports teams", "take photographs of food", "recycle",
+]  # fmt: skip
+PHENOMENA = [
+    "bread rises", "ice floats on water", "the sea is salty", "metal feels colder than wood",
+    "onions make people cry", "cats purr", "planes leave white trails", "we get hiccups",
+    "popcorn pops", "the sky turns red at sunset", "old books smell", "bubbles are round",
+    "computers need memory", "programs have bugs", "batteries wear out",
+    "mirrors seem to swap left and right",
+]  # fmt: skip
+NOTES = [
+    "to a neighbour asking them to water the plants", "to a flatmate about the shared fridge",
+    "to a teacher explaining why a child was absent",
+    "to a friend congratulating them on a new baby",
+    "to a coworker leaving the company", "to a delivery driver about where to leave a parcel",
+    "to a family member wishing them luck in an exam", "to a host thanking them for dinner",
+]  # fmt: skip
+PRODUCTS = [
+    "a reusable water bottle", "a standing desk", "a pair of noise-cancelling headphones",
+    "a rain jacket", "a smart light bulb", "a chef's knife", "a travel pillow", "an e-bike",
+    "a yoga mat", "a board game for four players", "a USB-C charger", "a cast iron skillet",
+    "a weather station for the garden", "a children's picture book", "a coffee grinder",
+]  # fmt: skip
+
+
+def _describe(r: random.Random) -> list[dict]:
+    what = r.choice(SCENES + OBJECTS)
+    form = r.choice([f"Describe {what}.", f"Describe {what} in a few sentences.",
+                     f"Write a short description of {what} for a novel.",
+                     f"Describe {what} using all five senses."])  # fmt: skip
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _advice(r: random.Random) -> list[dict]:
+    if r.random() < 0.6:
+        form = r.choice([f"Give {r.choice([3, 4, 5])} tips for {r.choice(ACTIVITIES)}.",
+                         f"What should I know before {r.choice(ACTIVITIES)}?",
+                         f"What are common mistakes when {r.choice(ACTIVITIES)}?"])  # fmt: skip
+    else:
+        form = f"What advice would you give someone who {r.choice(SITUATIONS)}?"
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _why(r: random.Random) -> list[dict]:
+    if r.random() < 0.5:
+        form = r.choice([f"Why do people {r.choice(HABITS)}?",
+                         f"Give three reasons why people {r.choice(HABITS)}."])  # fmt: skip
+    else:
+        form = r.choice([f"Why is it that {r.choice(PHENOMENA)}?",
+                         f"Explain in simple words why {r.choice(PHENOMENA)}."])  # fmt: skip
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _note(r: random.Random) -> list[dict]:
+    form = r.choice([f"Write a short note {r.choice(NOTES)}.",
+                     f"Write a friendly message {r.choice(NOTES)}."])  # fmt: skip
+    return [{"role": "user", "content": form + r.choice(SUFFIXES)}]
+
+
+def _product(r: random.Random) -> list[dict]:
+    what = r.choice(PRODUCTS)
+    form = r.choice([f"Write a short product description for {what}.",
+                     f"Write three selling points for {what}.",
+                     f"Write a customer review of {what}."])  # fmt: skip
+    return [{"role": "user", "content": form}]
+
+
 KINDS = {
     "code": _code,
     "function": _function,
@@ -459,6 +642,11 @@ KINDS = {
     "reading": _reading,
     "classify": _classify,
     "long": _long,
+    "describe": _describe,
+    "advice": _advice,
+    "why": _why,
+    "note": _note,
+    "product": _product,
 }
 
 
