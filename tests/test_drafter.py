@@ -828,3 +828,28 @@ def test_drafter_curve_chains_a_continued_run(tmp_path):
     assert len(out["loss_by_100_steps"]) == 4
     with pytest.raises(SystemExit, match="not a drafter run"):
         mod.curve([tmp_path / "none"])
+
+
+def test_store_guesses_give_way_to_a_drafter_that_pays_more():
+    """drafter+lookup+store with adaptive lengths: where the row's own text has no match, the
+    n-gram store's guess is taken only while its measured acceptance pays more tokens per ms
+    than the drafter's; else the drafter drafts (and its pass is asked for). A context match
+    still comes first."""
+    from clover.decoding.costs import PassCosts
+    from clover.decoding.policies import SelfSpec
+    from clover.decoding.rows import SpecRow
+    from clover.decoding.store import NgramStore
+
+    policy = SelfSpec(block_size=8, draft="drafter+lookup+store", adaptive=True)
+    row = SpecRow(0, [1, 2, 3], 32, policy, torch.Generator().manual_seed(0))
+    row.costs, row.eos = PassCosts({1: 10.0, 8: 12.0}, {1: 0.5, 8: 1.0}), {2}
+    row.store = NgramStore()
+    row.store.add([40, 41, 42, 43, 44, 45, 46, 47])
+    row._append([9, 40, 41])  # no match in the row's own text; the store continues 40 41
+    good, bad = [0.9] * 7, [0.1] * 7
+    row.acceptance["store"].p, row.acceptance["drafter"].p = list(good), list(bad)
+    assert row._lookup()[:3] == [42, 43, 44] and row.drafter_length() == 0
+    row.acceptance["store"].p, row.acceptance["drafter"].p = list(bad), list(good)
+    assert row._lookup() == [] and row.drafter_length() > 0
+    row._append([5, 9, 40])  # now the row's own text continues 9 40 with 41: lookup wins
+    assert row._lookup()[:1] == [41] and row._source == "lookup" and row.drafter_length() == 0

@@ -59,6 +59,12 @@ class PassCosts:
 
 def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool = False) -> int:
     """The draft length in 0 .. most with the highest expected tokens per ms."""
+    return best_rate(accept, costs, most, drafter)[0]
+
+
+def best_rate(accept: list[float], costs: PassCosts, most: int,
+              drafter: bool = False) -> tuple[int, float]:  # fmt: skip
+    """(that length, its expected tokens per ms)."""
     best_k, best = 0, 1.0 / costs.verify(1)
     survive, expected = 1.0, 1.0
     for k in range(1, most + 1):
@@ -67,7 +73,7 @@ def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool 
         rate = expected / (costs.verify(1 + k) + (costs.draft(k) if drafter else 0.0))
         if rate > best:
             best_k, best = k, rate
-    return best_k
+    return best_k, best
 
 
 class Acceptance:

@@ -88,8 +88,9 @@ class SelfSpec(Policy):
     `draft` is where drafts come from: the masked block ("mask"), earlier occurrences of the
     current suffix in prompt + answer ("lookup"), or a context match when there is one and
     the block otherwise ("mask+lookup"), or a context match and else the model's n-gram store
-    of earlier text ("lookup+store", `store.NgramStore`), or a context match, else the store,
-    else the drafter ("drafter+lookup+store"); see `rows.SpecRow`."""
+    of earlier text ("lookup+store", `store.NgramStore`), or a context match, else the store
+    (adaptive: where it pays more than the drafter), else the drafter ("drafter+lookup+store");
+    see `rows.SpecRow`."""
 
     block_size: int = 32
     refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified

@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from clover.decoding.constraints import LogitsConstraint, pick
-from clover.decoding.costs import Acceptance, PassCosts, best_length, shared_acceptance
+from clover.decoding.costs import (
+    Acceptance,
+    PassCosts,
+    best_length,
+    best_rate,
+    shared_acceptance,
+)
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, filtered_probs, sample
 
@@ -378,9 +384,13 @@ class SpecRow(Row):
             return found
         self._source = "store"  # no paying match in the row's own text: earlier text's guess
         found = self.store.draft(self.context.tokens, most)
-        if self.costs is None:
+        if self.costs is None or not found:
             return found
-        return found[: best_length(self.acceptance["store"].p, self.costs, len(found))]
+        k, rate = best_rate(self.acceptance["store"].p, self.costs, len(found))
+        if self.uses_drafter:  # the store's guess only where it pays more than the drafter's
+            if best_rate(self.acceptance["drafter"].p, self.costs, most, drafter=True)[1] > rate:
+                return []
+        return found[:k]
 
     def drafter_length(self) -> int:
         """How many tokens the drafter should draft for the next pass (0: none, also when the
