@@ -83,9 +83,11 @@ if [ -n "${REHEARSAL:-}" ]; then
   carried=$(wc -l < "$data/distill.jsonl" 2>/dev/null || echo 0)
   distill=(--prompts $(( carried + 40 )) --batch-size 8 --max-tokens 32)  # 40 new prompts
   train=(--steps 30)
+  speed=(--tokens 16 --reps 1 --prompts 1)
 else
   distill=(--prompts 30000 --batch-size 512 --max-tokens 256)
   train=()
+  speed=(--tokens 128 --reps 2 --prompts 2)
 fi
 if has distill; then
   limit $(( ${DISTILL_MIN%.*} * 60 + 100 )) "$PY" -m clover.cli data distill --model smollm2-135m \
@@ -96,7 +98,12 @@ if has distill; then
 fi
 if has drafter; then
   cfg=configs/drafter-gpu.yaml
-  [ "$DEVICE" = cuda ] || { sed "s/^device: cuda/device: $DEVICE/" $cfg > "$STASH/drafter.yaml"; cfg="$STASH/drafter.yaml"; }
+  if [ "$DEVICE" != cuda ]; then  # a CPU rehearsal: the GPU's batch would take minutes a step
+    sed -e "s/^device: cuda/device: $DEVICE/" -e "s/^batch_size: .*/batch_size: 4/" \
+      -e "s/^blocks_per_sequence: .*/blocks_per_sequence: 4/" -e "s/^eval_examples: .*/eval_examples: 4/" \
+      $cfg > "$STASH/drafter.yaml"
+    cfg="$STASH/drafter.yaml"
+  fi
   limit $(( ${TRAIN_MIN%.*} * 60 + 150 )) "$PY" -m clover.cli train drafter --config "$cfg" \
     --max-minutes "$TRAIN_MIN" --quiet "${train[@]}" > "$LOGS/drafter.log" 2>&1
   say "drafter exit $?: $(tail -n 1 "$LOGS/drafter.log" | cut -c 1-400)"
@@ -116,7 +123,7 @@ if has adapt; then
   say "adapt exit $?: $(tail -n 1 "$LOGS/train.log" | cut -c 1-400)"
   cp runs/adapt-gpu/adapter.safetensors "$OUT/" 2>/dev/null || say "no adapter written"
 fi
-if has speed && [ "$(left)" -gt 100 ]; then  # ar against drafts where wide passes are cheap
+if has speed && [ "$(left)" -gt 115 ]; then  # ar against drafts where wide passes are cheap
   configs=ar,self_spec:4:lookup
   drafter=()
   if [ -f runs/drafter-smol-gpu/drafter.safetensors ]; then
@@ -124,8 +131,8 @@ if has speed && [ "$(left)" -gt 100 ]; then  # ar against drafts where wide pass
     drafter=(--drafter runs/drafter-smol-gpu/drafter.safetensors)
   fi
   dt=bfloat16; [ "$DEVICE" = cuda ] || dt=float32
-  limit 95 "$PY" -m clover.cli bench speed -m smollm2-135m --device "$DEVICE" --dtypes $dt --peers '' \
-    --configs "$configs" "${drafter[@]}" --tokens 128 --reps 2 --prompts 4 --batch 1,8 --no-plot \
+  limit 110 "$PY" -m clover.cli bench speed -m smollm2-135m --device "$DEVICE" --dtypes $dt --peers '' \
+    --configs "$configs" "${drafter[@]}" "${speed[@]}" --batch 1,8 --no-plot \
     --no-rss --out "$OUT/bench-speed-gpu-smollm2-135m-drafter.json" > "$LOGS/bench-speed.log" 2>&1
   say "bench speed on $DEVICE exit $?"
   pack

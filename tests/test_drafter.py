@@ -432,6 +432,9 @@ def test_drafter_time_box_ends_the_schedule_in_time(tiny_checkpoint, data, tmp_p
     assert lines[-1]["lr"] < 0.2 * cfg.lr  # the schedule came down to its end
     assert (tmp_path / "box" / "drafter.safetensors").is_file()
     assert lr_at(0, cfg) > 0
+    # a box the run does not reach leaves its step count as it was (it ran one over)
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "roomy", steps=20, max_minutes=30)
+    assert train_drafter(cfg, progress=False)["step"] == 20
 
 
 def test_an_int4_drafter_drafts_like_the_float_one():

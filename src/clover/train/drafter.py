@@ -550,7 +550,7 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
             # epoch that runs the target too is slower than later ones reading its features)
             pace = (recent[-1] - recent[0]) / (len(recent) - 1)
             fit = step + int((cfg.max_minutes * 60 - now) / pace)
-            cfg = replace(cfg, steps=max(step + 1, min(planned, fit)))
+            cfg = replace(cfg, steps=max(step, min(planned, fit)))
             stop_at = min(cfg.steps, until or cfg.steps)
         last = {"step": step, "lr": lr_at(step - 1, cfg), **info, "seconds": round(now, 1)}
         if step % cfg.eval_every == 0 or step == stop_at:
