@@ -73,6 +73,7 @@ done | unxz_to "$gguf" \
   || { say "cannot rebuild the GGUF (did call 1 run on this machine?)"; exit 1; }
 rm -rf "$gguf.tokenizer" && cp -r .gpu/tokenizer "$gguf.tokenizer"  # no transformers needed
 say "base GGUF: $(du -b "$gguf" | cut -f1) bytes"
+[ -e runs ] || { rm -f runs; mkdir runs; }  # a link to a folder of this machine's does not resolve there
 data=runs/distill-gpu
 mkdir -p "$data"
 if [ -f .gpu/distill.jsonl.xz ] && [ ! -s "$data/distill.jsonl" ]; then
