@@ -33,6 +33,8 @@ BENCH_S=${BENCH_S:-90}
 LOGS="$STASH/logs"  # packed into $OUT/logs.tgz after each stage: the tool brings back 8 files
 mkdir -p "$STASH" "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
+# the CPU kernels (C++) serve CPU passes only; their build also failed on the H200 machine's g++
+[ "$DEVICE" = cuda ] && export CLOVER_KERNELS=0
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$LOGS/steps.log"; }
 limit() { timeout --signal=INT --kill-after=20 "$@"; }
@@ -49,9 +51,9 @@ if [ "${1:-}" = stash ]; then
   say "$(hostname): $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.is_available())')"
   if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOGS/steps.log"
-    limit 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
+    limit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
   else
-    CLOVER_TEST_DEVICE=cpu limit 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
+    CLOVER_TEST_DEVICE=cpu limit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
   fi
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && touch "$STASH/tested"

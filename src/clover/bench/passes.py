@@ -84,16 +84,17 @@ def pass_costs(
     from clover import kernels
 
     vocab = vocab or model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device  # the tokens come from a generator there
+    gen = torch.Generator(device=device).manual_seed(0)
     module = kernels.load() if profile else None
     out: dict[int, dict] = {}
     with torch.inference_mode():
         cache = model.make_cache(batch)
         low = min(100, vocab // 2)  # past the special tokens of real vocabularies
-        prompt = torch.randint(low, vocab, (batch, cache_tokens), generator=gen)
+        prompt = torch.randint(low, vocab, (batch, cache_tokens), generator=gen, device=device)
         model(prompt, cache, "causal")
         for w in widths:
-            x = torch.randint(low, vocab, (batch, w), generator=gen)
+            x = torch.randint(low, vocab, (batch, w), generator=gen, device=device)
             reset = _reset_after(cache, w if mode == "causal" else 0)
 
             def run(x: torch.Tensor = x, reset: Callable[[], None] = reset) -> None:

@@ -142,7 +142,7 @@ def costs_key(model: torch.nn.Module, label: str) -> str:
     from clover.models.drafter import fingerprint
 
     weight = next(model.parameters())
-    module = kernels.load()
+    module = kernels.load() if weight.device.type == "cpu" else None  # CPU kernels: no build
     try:
         isa = kernels.isa(getattr(model, "dots_x", None)) if module is not None else -1
     except (RuntimeError, ValueError):
