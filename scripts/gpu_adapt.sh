@@ -81,16 +81,16 @@ mkdir -p "$data"
 if [ -f .gpu/distill.jsonl.xz ] && [ ! -s "$data/distill.jsonl" ]; then
   unxz_to "$data/distill.jsonl" < .gpu/distill.jsonl.xz
 fi
-say "carried data: $(wc -l < "$data/distill.jsonl" 2>/dev/null || echo 0) examples"
+say "carried data: $(wc -l 2>/dev/null < "$data/distill.jsonl" || echo 0) examples"
 if [ -n "${REHEARSAL:-}" ]; then
-  carried=$(wc -l < "$data/distill.jsonl" 2>/dev/null || echo 0)
+  carried=$(wc -l 2>/dev/null < "$data/distill.jsonl" || echo 0)
   distill=(--prompts $(( carried + 40 )) --batch-size 8 --max-tokens 32)  # 40 new prompts
   train=(--steps 30)
-  speed=(--tokens 16 --reps 1 --prompts 1)
+  speed=(--tokens 16 --reps 1 --prompts 1 --batch 1,8)
 else
   distill=(--prompts 30000 --batch-size 512 --max-tokens 256)
   train=()
-  speed=(--tokens 128 --reps 2 --prompts 2)
+  speed=(--tokens 64 --reps 2 --prompts 2 --batch 1)  # 128 tokens at batch 1 and 8 ran past 110 s
 fi
 if has distill; then
   limit $(( ${DISTILL_MIN%.*} * 60 + 100 )) "$PY" -m clover.cli data distill --model smollm2-135m \
@@ -135,13 +135,14 @@ if has speed && [ "$(left)" -gt 115 ]; then  # ar against drafts where wide pass
   fi
   dt=bfloat16; [ "$DEVICE" = cuda ] || dt=float32
   limit 110 "$PY" -m clover.cli bench speed -m smollm2-135m --device "$DEVICE" --dtypes $dt --peers '' \
-    --configs "$configs" "${drafter[@]}" "${speed[@]}" --batch 1,8 --no-plot \
+    --configs "$configs" "${drafter[@]}" "${speed[@]}" --no-plot \
     --no-rss --out "$OUT/bench-speed-gpu-smollm2-135m-drafter.json" > "$LOGS/bench-speed.log" 2>&1
   say "bench speed on $DEVICE exit $?"
   pack
 fi
 if has gpu && [ "$DEVICE" = cuda ] && [ "$(left)" -gt $(( BENCH_S + 10 )) ]; then
-  limit "$BENCH_S" "$PY" -m clover.cli bench gpu --lengths 1024,8192 --reps 3 \
+  # batch 1, 2 reps: the 2026-12-04 run (batch 1,8, 3 reps) ran past 90 s before writing
+  limit "$BENCH_S" "$PY" -m clover.cli bench gpu --lengths 1024,8192 --batch 1 --reps 2 \
     --out "$OUT/bench-gpu-clover-35b-a3b.json" > "$LOGS/bench-gpu.log" 2>&1
   say "bench gpu exit $?"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$LOGS/steps.log" 2>&1
