@@ -51,10 +51,10 @@ if [ "${1:-}" = stash ]; then
   say "$(hostname): $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.is_available())')"
   if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOGS/steps.log"
-    limit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
   else
-    CLOVER_TEST_DEVICE=cpu limit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
+    export CLOVER_TEST_DEVICE=$DEVICE  # a rehearsal: the same tests on this device
   fi
+  limit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/test-gpu.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && touch "$STASH/tested"
   pack

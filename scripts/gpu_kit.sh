@@ -31,11 +31,11 @@ split -b "$room" -d .gpu/base.gguf.xz .gpu/base.part
 rm .gpu/base.gguf.xz
 last=$(ls .gpu/base.part* | tail -1)
 if [ $(( $(du -b "$last" | cut -f1) + $(du -sb .gpu/tokenizer | cut -f1) )) -gt "$room" ]; then
-  : > .gpu/base.part$(printf %02d "$(ls .gpu/base.part* | wc -l)")  # the tokenizer rides alone
+  last=.gpu/base.part$(printf %02d "$(ls .gpu/base.part* | wc -l)")
+  : > "$last"  # the tokenizer rides alone
 fi
 if [ -f "$DATA/distill.jsonl" ]; then
   # the last call's room (the tree grows between sessions): keep the examples that fit, in order
-  last=$(ls .gpu/base.part* | tail -1)
   room=$(( 63 * 1048576 - tree - $(du -cb "$last" .gpu/wheels .gpu/tokenizer | tail -1 | cut -f1) ))
   "$PY" - "$DATA/distill.jsonl" .gpu/distill.jsonl.xz "$room" <<'PY'
 import lzma, sys
@@ -54,7 +54,6 @@ PY
 else
   echo "note: no $DATA/distill.jsonl: the GPU run distils from scratch"
 fi
-last=$(ls .gpu/base.part* | tail -1)
 for part in .gpu/base.part*; do
   extra=$(du -cb "$part" .gpu/wheels $([ "$part" = "$last" ] && ls -d .gpu/tokenizer .gpu/distill.jsonl.xz 2>/dev/null) | tail -1 | cut -f1)
   mib=$(( (tree + extra) / 1048576 ))
