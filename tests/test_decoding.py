@@ -145,6 +145,65 @@ def test_rows_join_and_leave_between_steps(model, policy):
     assert doomed.result.finish_reason == "cancelled"
 
 
+@pytest.mark.parametrize("policy", [make_policy("ar"), LowConfidence(block_size=4, threshold=0.3),
+                                    make_policy("self_spec", 4)])  # fmt: skip
+def test_rows_joining_together_share_one_prefill_pass(model, policy):
+    """Prompts added inside `joining()` while a batch runs are prefilled in one padded pass
+    (not one pass each) when the block ends, and every answer equals its answer alone."""
+    from clover.decoding.loop import BatchDecoder
+
+    prompts = [*PROMPTS, [40, 41, 42, 43, 44, 45, 46], [50]]
+    alone = [run(model, [p], policy, eos_token_ids=[1])[0][0].tokens for p in prompts]
+    passes = []
+    hook = model.register_forward_pre_hook(lambda *_: passes.append(1))
+    try:
+        batch = BatchDecoder(model)
+        rows = [batch.add(prompts[0], policy, max_new_tokens=24, eos_token_ids=[1])]
+        batch.step()
+        batch.step()
+        before = len(passes)
+        with batch.joining():
+            for p in prompts[1:]:
+                rows.append(batch.add(p, policy, max_new_tokens=24, eos_token_ids=[1]))
+            assert len(batch.active) == 1  # they join when the block ends
+        assert len(passes) == before + 1  # one prefill for the three that need one ([50]: none)
+        assert len(batch.active) == len(prompts) and batch.cache.batch_size == len(prompts)
+        assert [r.result.nfe for r in rows[1:]] == [1, 1, 1, 0]
+        while batch.active:
+            batch.step()
+    finally:
+        hook.remove()
+    assert [r.result.tokens for r in rows] == alone
+
+
+def test_a_joining_block_that_fails_adds_none_of_its_rows(model, monkeypatch):
+    from clover.decoding.loop import BatchDecoder
+
+    policy = make_policy("ar")
+    alone = run(model, [PROMPTS[0]], policy, eos_token_ids=[1])[0][0].tokens
+    batch = BatchDecoder(model)
+    row = batch.add(PROMPTS[0], policy, max_new_tokens=24, eos_token_ids=[1])
+    batch.step()
+    with pytest.raises(RuntimeError, match="caller"), batch.joining():
+        batch.add(PROMPTS[1], policy, max_new_tokens=24, eos_token_ids=[1])
+        raise RuntimeError("the caller failed")
+    assert len(batch.active) == 1
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("pass failed")
+
+    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="pass failed"):
+        with batch.joining():
+            batch.add(PROMPTS[2], policy, max_new_tokens=24, eos_token_ids=[1])
+            m.setattr(model, "forward", broken)
+    assert len(batch.active) == 1 and batch.cache.batch_size == 1
+    with pytest.raises(CloverError, match="nest"), batch.joining(), batch.joining():
+        pass
+    while batch.active:
+        batch.step()
+    assert row.result.tokens == alone
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("block", [2, 4, 8])
 def test_sliding_window_never_confident_is_ar_greedy(seed, block):

@@ -231,6 +231,40 @@ def test_rows_joining_a_running_batch_reuse_its_prefix(arch):
 
 
 @pytest.mark.parametrize("arch", MODELS)
+def test_rows_joining_together_reuse_the_prefix_and_release_it(arch):
+    """Rows added inside `joining()` reuse the cached prefix and share one prefill pass (the
+    hybrid's rows prefill alone, in passes ending at their snapshots); answers equal cold ones,
+    and a failed block pins nothing."""
+    model = MODELS[arch]()
+    V = model.config.vocab_size
+    policy = make_policy("ar")
+    system = tokens(5, 24, V)
+    prompts = [system + tokens(10 + i, 3 + i, V) for i in range(4)]
+    cold = [run(model, p, policy).tokens for p in prompts]
+    cache = cache_for(model)
+    batch = BatchDecoder(model, cache)
+    eos = [model.config.eos_token_id]
+    marks = (len(system),)
+    rows = [batch.add(prompts[0], policy, max_new_tokens=16, eos_token_ids=eos, marks=marks)]
+    batch.step()
+    with pytest.raises(RuntimeError), batch.joining():
+        batch.add(prompts[1], policy, max_new_tokens=16, eos_token_ids=eos, marks=marks)
+        raise RuntimeError
+    assert cache.report()["pinned_blocks"] == 1  # the running row's chain only
+    with batch.joining():
+        for p in prompts[1:]:
+            rows.append(batch.add(p, policy, max_new_tokens=16, eos_token_ids=eos, marks=marks))
+    while batch.active:
+        batch.step()
+    assert [r.result.tokens for r in rows] == cold
+    # the hybrid's dropped row had prefilled (and saved) prompts[1]: it is reused whole
+    assert rows[1].result.cached_tokens == (len(system) if arch == "llama" else len(prompts[1]) - 1)
+    assert all(r.result.cached_tokens == len(system) for r in rows[2:])
+    check_invariants(cache)
+    assert not cache.report()["pinned_blocks"]
+
+
+@pytest.mark.parametrize("arch", MODELS)
 def test_cancelled_row_releases_its_blocks_and_keeps_what_it_committed(arch):
     model = MODELS[arch]()
     V = model.config.vocab_size

@@ -160,23 +160,26 @@ def distill(
         queue, added = iter(todo), 0
         try:
             while True:
-                # continuous batching: a finished answer's row takes the next prompt at once
-                # (a prompt joining is prefilled alone), so no row idles to the longest answer
-                while len(batch.active) < batch_size and (
-                    max_minutes is None or time.perf_counter() - t0 <= 60 * max_minutes
-                ):
-                    p = next(queue, None)
-                    if p is None:
-                        break
-                    prompt = llm.chat_prompt(p["messages"])
-                    if len(prompt) >= context:  # left out: a short-context teacher distils the rest
-                        too_long += 1
-                        if bar is not None:
-                            bar.update(1)
-                        continue
-                    row = batch.add(prompt, policy, max_new_tokens=s.max_tokens,
-                                    eos_token_ids=eos_ids, index=added)  # fmt: skip
-                    running[added], added = (p, prompt, row, {}), added + 1
+                # continuous batching: finished answers' rows take the next prompts at once
+                # (the prompts joining share one prefill pass), so no row idles to the
+                # longest answer
+                room = batch_size - len(batch.active)
+                with batch.joining():
+                    while room > 0 and (
+                        max_minutes is None or time.perf_counter() - t0 <= 60 * max_minutes
+                    ):
+                        p = next(queue, None)
+                        if p is None:
+                            break
+                        prompt = llm.chat_prompt(p["messages"])
+                        if len(prompt) >= context:  # left out: a short-context teacher
+                            too_long += 1  # distils the rest
+                            if bar is not None:
+                                bar.update(1)
+                            continue
+                        row = batch.add(prompt, policy, max_new_tokens=s.max_tokens,
+                                        eos_token_ids=eos_ids, index=added)  # fmt: skip
+                        running[added], added, room = (p, prompt, row, {}), added + 1, room - 1
                 if not batch.active:
                     break
                 for index in batch.step().finished:

@@ -19,6 +19,7 @@ at its snapshot points (caller's `marks`, every `snapshot_every` tokens, one bef
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -124,6 +125,8 @@ class BatchDecoder:
         # on_logits(row index, the row's logits [n, V], its commits [(answer index, token)])
         # after every update: for callers that keep the distributions (`clover data distill`)
         self.on_logits: Callable[[int, torch.Tensor, list], None] | None = None
+        # inside `joining()`: rows whose prompts wait to be prefilled together (row, 1-row cache)
+        self._joiners: list[tuple[Row, object]] | None = None
 
     @on_model_device
     def add(
@@ -175,13 +178,18 @@ class BatchDecoder:
         if policy.speculative:
             cache.enable_rollback()
         dcache = self.drafting.drafter.make_cache(1) if self.drafting is not None else None
+        drafts = getattr(row, "uses_drafter", False)
+        joins = self._joiners is not None and not drafts  # with the others, at `joining()`'s end
         try:
             with torch.inference_mode():
-                self._start(row, cache, dcache if getattr(row, "uses_drafter", False) else None)
+                self._start(row, cache, dcache if drafts else None, defer=joins)
         except BaseException:
             if self.prefix is not None:
                 self.prefix.release(row.pin)
             raise
+        if joins:
+            self._joiners.append((row, cache))
+            return row
         self.cache = cache if self.cache is None else self.cache.extend(cache)
         if self.drafting is not None:
             self.drafting.add_row(dcache)
@@ -194,12 +202,13 @@ class BatchDecoder:
             self._costs[drafter] = model_costs(self.model, drafter)
         return self._costs[drafter]
 
-    def _start(self, row: Row, cache: object, dcache: object = None) -> None:
+    def _start(self, row: Row, cache: object, dcache: object = None, defer: bool = False) -> None:
         """Reuse the longest cached prefix of the row's prompt (into its fresh 1-row cache),
         then prefill alone what must be: the rest of the prompt of a model with recurrent
         layers (snapshots on the way), or a prompt joining a running batch, so the batch's
         next step is not padded to its length for every row. The last prompt token always
-        stays pending: its pass gives the first logits."""
+        stays pending: its pass gives the first logits. With `defer`, a joining prompt's
+        prefill is left to `joining()`; passes that end at snapshots never are."""
         prompt, prefix = row.prompt, self.prefix
         recurrent = any(layer.recurrent for layer in cache.layers)
         end = len(prompt) - 1
@@ -214,7 +223,7 @@ class BatchDecoder:
             every = prefix.snapshot_every
             stops = {*row.marks, *range(every, end, every), end}
         elif self.step_count and self.active:
-            stops = {end}
+            stops = set() if defer else {end}
         states = {}
         for stop in sorted(p for p in stops if len(row.committed) < p <= end):
             ids = row.pending[: stop - len(row.committed)]
@@ -231,6 +240,68 @@ class BatchDecoder:
                 states[stop] = prefix.capture(cache, 0)
         if prefix is not None and len(row.committed) >= end:
             self._save(row, cache, 0, states)
+
+    @contextlib.contextmanager
+    def joining(self) -> Iterator[None]:
+        """Rows added inside this block join together: the prompts that would each be
+        prefilled alone (a running batch's joiners) share one padded pass when it ends, and
+        the batch's cache grows once. On a GPU a pass of a small model costs about the same for
+        one prompt or dozens, and every join copied the whole cache (`clover data distill`
+        refills finished rows this way). Rows of a block that raises are dropped; if the shared
+        pass fails, none of its rows joins and the error propagates."""
+        if self._joiners is not None:
+            raise CloverError("joining() blocks do not nest")
+        self._joiners = []
+        try:
+            yield
+            joiners, self._joiners = self._joiners, None
+            if joiners:
+                self._prefill_joiners(joiners)
+        except BaseException:
+            for row, _ in self._joiners or ():
+                if self.prefix is not None:
+                    self.prefix.release(row.pin)
+            raise
+        finally:
+            self._joiners = None
+
+    @on_model_device
+    def _prefill_joiners(self, joiners: list[tuple[Row, object]]) -> None:
+        """One pass prefills what the joiners' prompts still need (all but the last token),
+        over the rows that need it; then every joiner's cache joins the batch's, once."""
+        todo = [(r, c, len(r.prompt) - 1 - len(r.committed)) for r, c in joiners]
+        todo.sort(key=lambda j: j[2] == 0)  # the rows that need the pass first
+        rows, n = [r for r, _, _ in todo], [k for _, _, k in todo]
+        cache = todo[0][1]
+        try:
+            need = sum(1 for k in n if k)
+            for _, other, _ in todo[1:need]:
+                cache.extend(other)
+            if need:
+                T = max(n)
+                ids = [r.pending[:k] + [self.mask_id] * (T - k) for r, k in zip(rows, n[:need])]
+                ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                count = torch.tensor(n[:need])
+                with torch.inference_mode():
+                    self.model(ids, cache, "block", n_commit=count, n_valid=count)
+                    for i, (r, k) in enumerate(zip(rows[:need], n)):
+                        r.committed += r.pending[:k]
+                        del r.pending[:k]
+                        r.result.nfe += 1
+                        if self.prefix is not None:
+                            self._save(r, cache, i, {})
+            for _, other, _ in todo[max(need, 1) :]:
+                cache.extend(other)
+        except BaseException:
+            if self.prefix is not None:
+                for r in rows:
+                    self.prefix.release(r.pin)
+            raise
+        self.cache = cache if self.cache is None else self.cache.extend(cache)
+        if self.drafting is not None:
+            for _ in rows:
+                self.drafting.add_row(self.drafting.drafter.make_cache(1))
+        self.active += rows
 
     def _save(self, row: Row, cache: object, k: int, states: dict | None = None) -> None:
         """Save row's committed state (cache row k) into the prefix cache: the first time,
