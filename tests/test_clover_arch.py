@@ -160,6 +160,35 @@ def test_moe_routing_and_fast_path():
     assert len(set(cids[7:].flatten().tolist())) <= 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_grouped_path_equals_the_expert_loop(dtype):
+    """The grouped-matmul path (where this PyTorch runs it) against the loop over experts and
+    the dense reference, with experts that get no token and a token batch of one."""
+    from clover.models.moe import _grouped_mm_works
+
+    if not _grouped_mm_works("cpu", dtype):
+        pytest.skip("torch._grouped_mm does not run on this PyTorch's CPU")
+    torch.manual_seed(0)
+    moe = MoE(hidden=32, experts=16, top_k=4, width=16, shared_width=16, norm_topk=True)
+    moe = moe.to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for shape in [(2, 9, 32), (1, 1, 32)]:
+        x = torch.randn(shape).to(dtype)
+        with torch.no_grad():
+            assert moe._grouped_fits(x.reshape(-1, 32))
+            fast = moe(x)
+            moe.grouped = False
+            loop = moe(x)
+            moe.grouped = True
+            if shape[1] == 1:
+                assert len(moe.route(x.reshape(-1, 32))[1].unique()) < 16  # idle experts
+        torch.testing.assert_close(fast.float(), loop.float(), **tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(fast, moe.forward_dense(x), **tol)
+    odd = MoE(hidden=30, experts=4, top_k=2, width=8, shared_width=0, norm_topk=True)
+    assert not odd._grouped_fits(torch.randn(3, 30))  # rows of 120 bytes: the loop
+
+
 def test_checkpoint_round_trip_per_expert_and_stacked(tmp_path):
     """Saved in the Qwen3.5 layout (split GDN projections, fused experts) plus our tensors;
     read back from that, from per-expert tensors, or from our own names."""
