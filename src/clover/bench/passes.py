@@ -86,7 +86,8 @@ def pass_costs(
     vocab = vocab or model.config.vocab_size
     device = next(model.parameters()).device  # the tokens come from a generator there
     gen = torch.Generator(device=device).manual_seed(0)
-    module = kernels.load() if profile else None
+    # the stage clocks are the CPU kernels' (a model on another device has none to read)
+    module = kernels.load() if profile and device.type == "cpu" else None
     out: dict[int, dict] = {}
     with torch.inference_mode():
         cache = model.make_cache(batch)
