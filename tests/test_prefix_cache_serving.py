@@ -234,3 +234,68 @@ def test_concurrent_requests_sharing_a_prefix_answer_as_without_cache(checkpoint
     cached = [u["prompt_tokens_details"]["cached_tokens"] for _, u in got]
     system_tokens = len(cold.chat_prompt([SYSTEM])) - 3  # the rendered system turn, roughly
     assert all(c >= system_tokens // 16 * 16 for c in cached[3:])  # the second wave hits
+
+
+def test_requests_arriving_together_join_in_one_prefill_pass(checkpoint):
+    """A burst of requests arriving while a batch runs joins it with one prefill pass for all
+    (each was prefilled alone); every answer equals its answer alone. If that shared pass
+    fails, the requests that joined with it get the error and the running one goes on."""
+    import time
+
+    from clover.serving.scheduler import Scheduler
+
+    llm = LLM(str(checkpoint), dtype="float32", progress=False)
+    settings = GenerationSettings(decoder="ar", max_tokens=6)
+    chats = [[SYSTEM, {"role": "user", "content": w}] for w in ("apples", "rivers", "stones")]
+    prompts = [llm.chat_prompt(c) for c in chats]
+    passes = []
+    hook = llm.model.register_forward_pre_hook(lambda m, a: passes.append(tuple(a[0].shape)))
+    sched = Scheduler(llm, max_running=8)
+    sched.start()
+
+    def settle() -> None:
+        while sched.running_rows or sched.queue_depth:
+            time.sleep(0.01)
+
+    try:
+        sched.submit(prompts[0], GenerationSettings(decoder="ar", max_tokens=40))
+        while not sched.stats.steps:
+            time.sleep(0.005)
+        with sched._lock:  # the scheduler admits them in one round
+            tickets = [sched.submit(p, settings) for p in prompts]
+        settle()
+        # passes over more than one position: the first prompt, then one for the joiners
+        # (prompts[0] was cached whole by the first request; the others' user turns remain)
+        wide = [shape for shape in passes if shape[1] > 1]
+        assert wide == [(1, len(prompts[0])), (2, wide[1][1])], passes
+        # a failed shared pass: those requests fail, the running one does not
+        forward = llm.model.forward
+        running = sched.submit(prompts[0], GenerationSettings(decoder="ar", max_tokens=300))
+        while not sched.running_rows or not running.rows:
+            time.sleep(0.005)
+        fresh_prompts = [llm.chat_prompt([SYSTEM, {"role": "user", "content": w}])
+                         for w in ("meadows", "lanterns")]  # fmt: skip
+
+        def broken(ids, *args, **kw):  # the joiners' pass only (the running row's are 1 row)
+            if ids.shape[0] > 1:
+                raise RuntimeError("shared pass failed")
+            return forward(ids, *args, **kw)
+
+        llm.model.forward = broken
+        with sched._lock:
+            failing = [sched.submit(p, settings) for p in fresh_prompts]
+        settle()
+        llm.model.forward = forward
+    finally:
+        hook.remove()
+        sched.shutdown(grace=5)
+    fresh = LLM(str(checkpoint), dtype="float32", progress=False)
+    alone = [fresh.chat(c, max_tokens=6, decoder="ar").token_ids for c in chats]
+    assert [r.result.tokens for t in tickets for _, _, r in t.rows.values()] == alone
+    for t in failing:
+        events = []
+        while not t.events.empty():
+            events.append(t.events.get())
+        assert events and events[-1]["type"] == "error", events
+    ((_, _, row),) = running.rows.values()
+    assert row.result.finish_reason == "length" and len(row.result.tokens) == 300

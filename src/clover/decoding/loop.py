@@ -179,7 +179,9 @@ class BatchDecoder:
             cache.enable_rollback()
         dcache = self.drafting.drafter.make_cache(1) if self.drafting is not None else None
         drafts = getattr(row, "uses_drafter", False)
-        joins = self._joiners is not None and not drafts  # with the others, at `joining()`'s end
+        # a prompt joining a running batch waits for the others added in the `joining()` block
+        # (into an idle batch it goes straight in: the next step prefills it with the rest)
+        joins = self._joiners is not None and not drafts and bool(self.step_count and self.active)
         try:
             with torch.inference_mode():
                 self._start(row, cache, dcache if drafts else None, defer=joins)
@@ -329,9 +331,21 @@ class BatchDecoder:
         self.prefix.release(r.pin)
         r.pin = None
 
+    @property
+    def rows(self) -> int:
+        """Rows running plus those waiting to join at the end of a `joining()` block."""
+        return len(self.active) + len(self._joiners or ())
+
     @on_model_device
     def cancel(self, index: int) -> bool:
         """Drop a row at once (a client went away); False if it is not running."""
+        for k, (r, _) in enumerate(self._joiners or ()):
+            if r.index == index:  # not prefilled yet: nothing to save
+                r.result.finish_reason = r.result.finish_reason or "cancelled"
+                if self.prefix is not None:
+                    self.prefix.release(r.pin)
+                del self._joiners[k]
+                return True
         for k, r in enumerate(self.active):
             if r.index == index:
                 r.result.finish_reason = r.result.finish_reason or "cancelled"

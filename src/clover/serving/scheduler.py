@@ -129,7 +129,7 @@ class Scheduler:
 
     @property
     def running_rows(self) -> int:
-        return len(self.batch.active)
+        return self.batch.rows
 
     def shutdown(self, grace: float = 30.0) -> None:
         """Stop admitting; wait up to `grace` s for running rows; then cancel what is left."""
@@ -152,12 +152,24 @@ class Scheduler:
     # --- the scheduler thread -----------------------------------------------------------------
 
     def _admit(self) -> None:
+        """Start waiting requests while there is room. Prompts joining a running batch
+        share one prefill pass (`BatchDecoder.joining`); if that pass fails, the requests that
+        joined with it fail and the running ones go on."""
+        joined: list[Ticket] = []
+        try:
+            with self.batch.joining():
+                self._admit_some(joined)
+        except Exception as e:  # noqa: BLE001 (as in _start: fail these requests only)
+            for t in joined:
+                self._fail(t, e)
+
+    def _admit_some(self, joined: list[Ticket]) -> None:
         while self.waiting:
             t = self.waiting[0]
             if t.cancelled:
                 self.waiting.popleft()
                 continue
-            active = len(self.batch.active)
+            active = self.batch.rows
             if self.deterministic:
                 if active:
                     return
@@ -167,7 +179,10 @@ class Scheduler:
                 # a request with n > max_running still runs, alone, rather than waiting forever
                 if active and active + rows > self.max_running:
                     return
-            if self._start(t, rows) and t.started_choices < t.n:
+            started = self._start(t, rows)
+            if started and t not in joined:
+                joined.append(t)
+            if started and t.started_choices < t.n:
                 continue  # deterministic: the ticket's next choice waits for this one
             self.waiting.popleft()
 
@@ -202,15 +217,17 @@ class Scheduler:
             return True
         except Exception as e:  # noqa: BLE001 (joining prefills and reads the prefix cache:
             # a failure there must fail this request, not the scheduler thread)
-            for index in list(t.rows):
-                self.batch.cancel(index)
-                self.running.pop(index, None)
-            t.cancelled = True
-            failed = f"decoding failed: {type(e).__name__}"
-            t.events.put(
-                {"type": "error", "message": str(e) if isinstance(e, CloverError) else failed}
-            )
+            self._fail(t, e)
             return False
+
+    def _fail(self, t: Ticket, e: Exception) -> None:
+        """Drop a ticket's rows and send it the error."""
+        for index in list(t.rows):
+            self.batch.cancel(index)
+            self.running.pop(index, None)
+        t.cancelled = True
+        failed = f"decoding failed: {type(e).__name__}"
+        t.events.put({"type": "error", "message": str(e) if isinstance(e, CloverError) else failed})
 
     def _run(self) -> None:
         while True:
