@@ -18,6 +18,7 @@ ignored and redone).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -143,17 +144,31 @@ def distill(
                    unit="prompt")  # fmt: skip
     t0, tokens, written, too_long = time.perf_counter(), 0, 0, 0
     context = llm.model.context_length
-    # on a GPU every tensor the engine makes must land there: factories default to `dev`
-    with open(path, "a", encoding="utf-8") as f, torch.device(dev):
+    # on a GPU every tensor the engine makes must land there: factories default to `dev` (on
+    # the CPU that mode only costs: it intercepts every torch call, ~20 per row and step)
+    on_device = torch.device(dev) if dev.type != "cpu" else contextlib.nullcontext()
+    with open(path, "a", encoding="utf-8") as f, on_device:
         batch = BatchDecoder(llm.model)
         running: dict[int, tuple] = {}  # row index -> (prompt, its ids, its row, top-k by index)
+        seen: list[tuple[int, torch.Tensor, list]] = []  # this step's rows' logits
 
         def keep(index: int, logits: torch.Tensor, commits: list) -> None:
             if len(commits) != len(logits):  # an AR row commits one token per logits row
                 raise CloverError("distillation needs a decoder that commits one token a pass")
-            values, top = logits.float().log_softmax(-1).topk(top_k, dim=-1)
-            for (at, _), ids, lps in zip(commits, top.tolist(), values.tolist()):
-                running[index][3][at] = (ids, [round(v, 4) for v in lps])
+            seen.append((index, logits, commits))
+
+        def keep_step() -> None:
+            """The step's top-k for every row at once (one op and one copy, not per row: a
+            GPU paid a host sync for each)."""
+            if not seen:
+                return
+            values, top = torch.cat([g for _, g, _ in seen]).float().log_softmax(-1).topk(top_k)
+            values, top, i = values.tolist(), top.tolist(), 0
+            for index, _, commits in seen:
+                for at, _ in commits:
+                    running[index][3][at] = (top[i], [round(v, 4) for v in values[i]])
+                    i += 1
+            seen.clear()
 
         batch.on_logits = keep
         policy, eos_ids = s.policy(), llm.eos_token_ids
@@ -182,7 +197,9 @@ def distill(
                         running[added], added, room = (p, prompt, row, {}), added + 1, room - 1
                 if not batch.active:
                     break
-                for index in batch.step().finished:
+                event = batch.step()
+                keep_step()
+                for index in event.finished:
                     p, prompt, row, tops = running.pop(index)
                     answer = list(row.result.tokens)
                     if row.result.finish_reason == "stop" and eos is not None:
