@@ -180,7 +180,15 @@ class BlockRow(Row):
                 out.append(hidden[n_commit + p])
         return out
 
-    def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
+    def update(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        eos: set[int],
+        sampled: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple:
+        """`sampled`: (tokens, confidence) of greedy `sample` over these logits, computed by
+        the caller for the whole batch at once (on the host); else sampled here."""
         if not len(logits):
             return [], 0
         self.steps += 1
@@ -189,7 +197,7 @@ class BlockRow(Row):
         if self.constraint is not None:
             commits = self._commit_run(logits, masked, sampling, eos)
         else:
-            tokens, conf = sample(logits, sampling, self.gen)
+            tokens, conf = sampled if sampled is not None else sample(logits, sampling, self.gen)
             chosen = self.policy.select(conf)
             for j in torch.nonzero(chosen).flatten().tolist():
                 p, tok = masked[j], int(tokens[j])
