@@ -302,10 +302,10 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
         taken[0] += 1
         return take(self, logits, sampling)
 
-    def counting_update(self, logits, sampling, eos):
+    def counting_update(self, logits, sampling, eos, *sampled):
         if self.draft and not self._from_context and not self.refining:
             verified[0] += 1
-        return update(self, logits, sampling, eos)
+        return update(self, logits, sampling, eos, *sampled)
 
     monkeypatch.setattr(rows.SpecRow, "take_drafts", counting_take)
     monkeypatch.setattr(rows.SpecRow, "update", counting_update)

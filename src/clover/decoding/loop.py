@@ -426,8 +426,7 @@ class BatchDecoder:
                     logits[:, self.config.mask_token_id] = float("-inf")  # never an answer
         # greedy rows without constraints take their tokens from one batched `sample` (on the
         # host: per row it was a few ops and a host sync each on a GPU)
-        plain = [isinstance(r, BlockRow) and r.constraint is None and r.sampling.greedy
-                 for r in active]  # fmt: skip
+        plain = [r.constraint is None and r.sampling.greedy for r in active]
         greedy = None
         if logits is not None and any(plain):
             greedy = [t.cpu() for t in sample(logits, GREEDY)]

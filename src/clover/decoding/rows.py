@@ -454,13 +454,25 @@ class SpecRow(Row):
         draft = hidden[n_commit : n_commit + self.policy.block_size - 1]  # next draft
         return list(verify) + list(draft)
 
-    def update(self, logits: torch.Tensor, sampling: SamplingParams, eos: set[int]) -> tuple:
+    def update(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        eos: set[int],
+        sampled: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple:
+        """`sampled`: as `BlockRow.update`'s (greedy, unconstrained rows): the verify
+        positions' AR tokens come from it."""
         self.steps += 1
         if self.refining:
             return self._refine(logits, sampling, eos)
         nv = self._n_verify
         verify, drafted = logits[:nv], logits[nv:]
-        if sampling.greedy or self.constraint is not None:
+        if sampled is not None and sampling.greedy and self.constraint is None:
+            ar, n = sampled[0][:nv].tolist(), len(self.draft)
+            accepted = next(i for i, t in enumerate(ar) if i == n or t != self.draft[i])
+            token = ar[accepted]
+        elif sampling.greedy or self.constraint is not None:
             accepted, token = self._verify_exact(verify, sampling)
         else:
             accepted, token = self._verify_sampled(verify, sampling)
