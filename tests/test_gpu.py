@@ -47,6 +47,11 @@ def test_distil_train_and_draft_on_cuda(tiny_checkpoint, tmp_path):
     counts = distill(str(tiny_checkpoint), data, 24, max_tokens=16, batch_size=8, top_k=4,
                      dtype="float32", device=DEV, progress=False)  # fmt: skip
     assert counts["written"] >= 20
+    from clover.data.distill import load_examples
+
+    for r in load_examples(data / "distill.jsonl"):  # rows joined mid-run: their own top-1s
+        written = r["answer_ids"][: len(r["answer_ids"]) - (r["finish_reason"] == "stop")]
+        assert [row[0] for row in r["topk_ids"][: len(written)]] == written
     cfg = drafter_config(tiny_checkpoint, data, tmp_path / "run", steps=8, device=DEV)
     last = train_drafter(cfg, progress=False)
     assert "accepted" in last["heldout"]
@@ -58,3 +63,37 @@ def test_distil_train_and_draft_on_cuda(tiny_checkpoint, tmp_path):
     spec = llm.generate(prompts, decoder="self_spec", block_size=4, draft="drafter",
                         adaptive=False, max_tokens=16)  # fmt: skip
     assert [c.token_ids for c in spec] == [c.token_ids for c in ar]
+
+
+def test_joining_rows_and_grouped_experts_on_cuda():
+    """Prompts joining a running batch in one shared pass (`BatchDecoder.joining`) answer as
+    alone on the device; the MoE's grouped-matmul path equals its expert loop there."""
+    from clover.decoding.loop import BatchDecoder
+    from clover.decoding.policies import make_policy
+    from clover.models.moe import MoE, _grouped_mm_works
+
+    model = tiny_model(seed=3).to(DEV)
+    policy = make_policy("ar")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [18]]
+    alone = [decoded(model, [p], "ar", 16)[0].tokens for p in prompts]
+    batch = BatchDecoder(model)
+    rows = [batch.add(prompts[0], policy, max_new_tokens=16)]
+    batch.step()
+    with batch.joining():
+        rows += [batch.add(p, policy, max_new_tokens=16) for p in prompts[1:]]
+    while batch.active:
+        batch.step()
+    assert [r.result.tokens for r in rows] == alone
+    dtype = torch.bfloat16 if torch.device(DEV).type == "cuda" else torch.float32
+    if not _grouped_mm_works(torch.device(DEV).type, dtype):
+        pytest.skip(f"torch._grouped_mm does not run on {DEV} in {dtype}")
+    torch.manual_seed(0)
+    moe = MoE(hidden=64, experts=32, top_k=4, width=32, shared_width=32, norm_topk=True)
+    moe = moe.to(DEV, dtype)
+    x = torch.randn(2, 33, 64, device=DEV, dtype=dtype)
+    with torch.no_grad():
+        assert moe._grouped_fits(x.reshape(-1, 64))
+        fast = moe(x).float()
+        moe.grouped = False
+        loop = moe(x).float()
+    torch.testing.assert_close(fast, loop, atol=3e-2, rtol=3e-2)
