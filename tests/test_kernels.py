@@ -662,3 +662,21 @@ def test_kernel_ab_times_two_builds_by_turns(tmp_path, capsys):
     # 92ab6a9 added QGemm.x_planes: the program cannot hand one QGemm to both layouts
     with pytest.raises(SystemExit, match="qgemm.h differs"):
         mod.main(["92ab6a9^", "worktree", "--cases", cases[0], "--out", str(out)])
+
+
+def test_each_checkout_builds_in_its_own_directory(tmp_path):
+    """Two copies of the same sources (a worktree, a clean clone) get different build
+    directories: sharing one, each load rebuilt the other's objects (ninja reads the paths)."""
+    import shutil
+    from pathlib import Path
+
+    from clover import kernels
+
+    here = Path(kernels.__file__).parent
+    copy = tmp_path / "kernels"
+    shutil.copytree(here, copy)
+    assert kernels._key(here, "g++") == kernels._key(here, "g++")
+    before = kernels._key(copy, "g++")
+    assert before != kernels._key(here, "g++")
+    (copy / kernels.SOURCES[0]).write_text("// changed\n")
+    assert kernels._key(copy, "g++") != before  # and the sources themselves, as before

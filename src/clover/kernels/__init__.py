@@ -86,8 +86,11 @@ def _key(here: Path, compiler: str) -> str:
         h.update((here / name).read_bytes())
     h.update(torch.__version__.encode())
     # the install too: each venv writes its own include paths into build.ninja, so two venvs
-    # sharing a build dir rebuilt each other's objects at every load
+    # sharing a build dir rebuilt each other's objects at every load; and the sources' own
+    # path, for the same reason (two checkouts of one commit, e.g. a worktree or a clean clone
+    # for CI, took turns rebuilding all objects, ~1 minute of both cores each load)
     h.update(str(Path(torch.__file__).parent).encode())
+    h.update(str(here.resolve()).encode())
     h.update(compiler.encode())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     return h.hexdigest()[:16]
