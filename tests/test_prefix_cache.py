@@ -202,19 +202,24 @@ def test_restore_equals_prefill(arch):
 # --- batching, cancellation, failure ------------------------------------------------------------
 
 
+def _shared_system(arch, n):
+    """n prompts sharing a 24-token system prefix, their cold `ar` answers, and a batch over a
+    fresh prefix cache: (model, system, prompts, cold, cache, batch)."""
+    model = MODELS[arch]()
+    V = model.config.vocab_size
+    system = tokens(5, 24, V)
+    prompts = [system + tokens(10 + i, 3 + i, V) for i in range(n)]
+    cold = [run(model, p, make_policy("ar")).tokens for p in prompts]
+    cache = cache_for(model)
+    return model, system, prompts, cold, cache, BatchDecoder(model, cache)
+
+
 @pytest.mark.parametrize("arch", MODELS)
 def test_rows_joining_a_running_batch_reuse_its_prefix(arch):
     """Concurrent requests sharing a system prompt: a row that joins later reuses what a running
     row committed, and every answer equals its cold single-row answer."""
-    model = MODELS[arch]()
-    V = model.config.vocab_size
-    policy = make_policy("ar")
-    system = tokens(5, 24, V)
-    prompts = [system + tokens(10 + i, 3 + i, V) for i in range(3)]
-    cold = [run(model, p, policy).tokens for p in prompts]
-    cache = cache_for(model)
-    batch = BatchDecoder(model, cache)
-    eos = [model.config.eos_token_id]
+    model, system, prompts, cold, cache, batch = _shared_system(arch, 3)
+    policy, eos = make_policy("ar"), [model.config.eos_token_id]
     marks = (len(system),)  # the hybrid snapshots there
     rows = [batch.add(prompts[0], policy, max_new_tokens=16, eos_token_ids=eos, marks=marks)]
     batch.step()
@@ -235,16 +240,8 @@ def test_rows_joining_together_reuse_the_prefix_and_release_it(arch):
     """Rows added inside `joining()` reuse the cached prefix and share one prefill pass (the
     hybrid's rows prefill alone, in passes ending at their snapshots); answers equal cold ones,
     and a failed block pins nothing."""
-    model = MODELS[arch]()
-    V = model.config.vocab_size
-    policy = make_policy("ar")
-    system = tokens(5, 24, V)
-    prompts = [system + tokens(10 + i, 3 + i, V) for i in range(4)]
-    cold = [run(model, p, policy).tokens for p in prompts]
-    cache = cache_for(model)
-    batch = BatchDecoder(model, cache)
-    eos = [model.config.eos_token_id]
-    marks = (len(system),)
+    model, system, prompts, cold, cache, batch = _shared_system(arch, 4)
+    policy, eos, marks = make_policy("ar"), [model.config.eos_token_id], (len(system),)
     rows = [batch.add(prompts[0], policy, max_new_tokens=16, eos_token_ids=eos, marks=marks)]
     batch.step()
     with pytest.raises(RuntimeError), batch.joining():

@@ -468,12 +468,11 @@ class SpecRow(Row):
             return self._refine(logits, sampling, eos)
         nv = self._n_verify
         verify, drafted = logits[:nv], logits[nv:]
-        if sampled is not None and sampling.greedy and self.constraint is None:
-            ar, n = sampled[0][:nv].tolist(), len(self.draft)
-            accepted = next(i for i, t in enumerate(ar) if i == n or t != self.draft[i])
-            token = ar[accepted]
-        elif sampling.greedy or self.constraint is not None:
-            accepted, token = self._verify_exact(verify, sampling)
+        if sampling.greedy or self.constraint is not None:
+            ar = None
+            if sampled is not None and self.constraint is None:
+                ar = sampled[0][:nv].tolist()
+            accepted, token = self._verify_exact(verify, sampling, ar)
         else:
             accepted, token = self._verify_sampled(verify, sampling)
         if self.draft:
@@ -500,11 +499,16 @@ class SpecRow(Row):
             self.draft = []
         return [(start + i, t) for i, t in enumerate(new)], rollback
 
-    def _verify_exact(self, verify: torch.Tensor, sampling: SamplingParams) -> tuple[int, int]:
+    def _verify_exact(
+        self, verify: torch.Tensor, sampling: SamplingParams, ar: list[int] | None = None
+    ) -> tuple[int, int]:
         """Greedy or constrained: the AR token at each position, drafts kept while they equal
-        it. -> (drafts accepted, the token after them)."""
+        it. -> (drafts accepted, the token after them). `ar`: the greedy tokens of these
+        positions, already drawn by the caller."""
         for i in range(verify.shape[0]):  # sequential: a token is drawn only where AR draws
-            if self.constraint is not None:
+            if ar is not None:
+                tok = ar[i]
+            elif self.constraint is not None:
                 tok = self.constrained(verify[i], len(self.answer) + i, sampling)
             else:
                 tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
