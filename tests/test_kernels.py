@@ -105,7 +105,7 @@ def dot_isas() -> list[str]:
 @pytest.mark.parametrize("isa", dot_isas())
 @pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
 def test_int8_dots_match_their_reference(isa, kind, x_bits, monkeypatch):
-    """Passes of up to int8_dots_rows (4 with VNNI, 16 on AVX2) on the integer-dot path equal
+    """Passes of up to int8_dots_rows (VNNI: 4, 16 with x on 8 bits; AVX2: 16) on the dots equal
     x rounded per group (8 bits for 4- and 5-bit weights unless $CLOVER_DOTS_X=15, else 15)
     times the levels, exactly summed (reference_dots_matmul), every format and scale type;
     wider passes keep bfloat16 x. At 15 bits that second rounding (of the bfloat16 x) errs
@@ -120,7 +120,7 @@ def test_int8_dots_match_their_reference(isa, kind, x_bits, monkeypatch):
         w = random_weight(kind, N, K, f16)
         bias = torch.randn(N)
         rows = kernels.load().int8_dots_rows(kernels.isa())
-        assert rows == (4 if isa == "avx512" else 16)
+        assert rows == (4 if isa == "avx512" and x_bits == 15 else 16)
         for M in (1, 2, 3, 4, 5, 7, 16, 17):
             x = torch.randn(M, K)
             x[0, :32] = 0  # a group of zeros: step 0, no division by it
@@ -194,21 +194,24 @@ def test_wide_avx2_passes_match_the_reference_and_give_each_row_one_result(kind,
 @pytest.mark.parametrize("x_bits", [8, 15])
 def test_int8_dots_on_avx2_equal_vnni_to_the_bit(x_bits, monkeypatch):
     """The AVX2 dots sum the same integers and run the same float epilogue in the same order
-    as the VNNI ones (x on 8 bits: the AVX2 code on both): a model gives the same tokens on
-    either CPU class."""
+    as the VNNI ones, in every pass both take (x on 8 bits: up to 16 rows, 8-bit weights on
+    two planes in blocks of 4, 4- and 5-bit ones on one in blocks of 8): a model gives the
+    same tokens on either CPU class."""
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
     monkeypatch.setenv("CLOVER_DOTS_X", str(x_bits))
     for kind in ("int4", "int8", "int8g16", "int8low", "int5", "int5low"):
         for f16 in (True, False):
             w = random_weight(kind, 48, 160, f16, seed=3)
-            x = torch.randn(4, 160) * torch.rand(4, 160) * 4
+            x = torch.randn(16, 160) * torch.rand(16, 160) * 4
             bias = torch.randn(48)
-            for M in (1, 2, 3, 4):
+            for M in range(1, 5 if x_bits == 15 else 17):
                 monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx512")
                 vnni = w.matmul(x[:M], bias, out_bf16=False)
                 monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx2")
                 avx2 = w.matmul(x[:M], bias, out_bf16=False)
                 assert torch.equal(vnni, avx2), (kind, f16, M)
+                monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx512")
+                assert kernels.load().int8_dots_rows(kernels.isa()) >= M
 
 
 def verify_and_steps(model, prompt: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -225,9 +228,10 @@ def verify_and_steps(model, prompt: torch.Tensor, step: torch.Tensor) -> tuple[t
 @pytest.mark.skipif(not int8_dots_here(), reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("x_bits", [8, 15])
 def test_int8_dots_make_int4_verify_passes_equal_ar_steps(x_bits, monkeypatch):
-    """A quantized model's verify pass of as many tokens as the dots take (4 with VNNI, 16 on
-    AVX2) gives, to the bit, the logits of AR steps over the same tokens (fused layers, head
-    and all), so int4 self-speculation keeps exactly `ar`'s tokens, not only in float32."""
+    """A quantized model's verify pass of as many tokens as the dots take (VNNI: 4, or 16 with
+    x on 8 bits; AVX2: 16) gives, to the bit, the logits of AR steps over the same tokens
+    (fused layers, head and all), so int4 self-speculation keeps exactly `ar`'s tokens, not
+    only in float32."""
     from clover.decoding.loop import generate
     from clover.decoding.policies import SelfSpec, make_policy
 

@@ -9,19 +9,22 @@ arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once
   venv with the same sources reuses the build.
 - One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
   (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
-- Short passes (an AR step, a verify pass: 1 to 4 rows with VNNI, 1 to 16 on AVX2) round x
-  to 15 bits per group, as two int8 planes, and take exact integer dots (AVX-512 VNNI, else
-  AVX2 `vpmaddubsw`, the same results to the bit): ~1.6x faster on one row (2-3x on AVX2),
-  and a row's result no longer depends on the pass width. `$CLOVER_INT8_DOTS=0` keeps
-  bfloat16 x there.
+- Short passes (an AR step, a verify pass: 1 to 4 rows with VNNI, 1 to 16 on AVX2 or with
+  x on 8 bits, below) round x to 15 bits per group, as two int8 planes, and take exact
+  integer dots (AVX-512 VNNI, else AVX2 `vpmaddubsw`, the same results to the bit): ~1.6x
+  faster on one row (2-3x on AVX2), and a row's result no longer depends on the pass width.
+  `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there.
 - x on 8 bits (one int8 plane, as llama.cpp's Q8 activations) for 4- and 5-bit weights: half
   the multiplies a row, so a verify pass of several rows costs less where multiplies bind
   (2-core Zen 3, qwen2.5-coder-0.5b: verify 4 at ~1.6x an AR step, not ~2.2x). It costs
   precision where activations have outliers (SmolLM2's next-token KL to float32 went from
   0.0009 to 0.0115; the coder's from 0.00021 to 0.00054, with the same suite accuracy), so a
   model chooses it (`ModelEntry.dots_x`, carried by its weights and fused layers); 8-bit
-  weights keep 15 bits. `$CLOVER_DOTS_X=8` or `15` overrides every model. AVX2 code on every
-  x86 CPU, so either CPU class gives the same tokens.
+  weights keep 15 bits. `$CLOVER_DOTS_X=8` or `15` overrides every model. With VNNI such a
+  model's passes of up to 16 rows take the dots (one plane: half the `vpdpbusd` of two;
+  2-core Zen 4, the coder: verify 4 / 8 / 16 at ~1.1 / 1.8 / 3.2 AR steps, were 1.4 / 2.7 /
+  3.8 with 5 to 16 rows on the bfloat16 path); AVX2 sums the same integers in the same
+  epilogue, so either CPU class gives the same tokens.
 - Passes of more than 384 rows (a long prefill, a drafter's features) sweep the weights once
   per 192 rows, so x stays in cache while the weight tiles pass (`$CLOVER_QGEMM_ROWS` sets the
   rows, 0 takes all at once; the results are the same to the bit).

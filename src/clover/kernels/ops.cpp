@@ -63,12 +63,16 @@ bool dots_on_vnni(int64_t isa) {
 
 }  // namespace
 
-// VNNI: up to 4 (AMX's bfloat16 tiles cost as much from 3 rows on); AVX2: up to 16, where the
-// dots still cost 0.73-1.0x the float path (a 4864 x 896 matmul on a 2-core Zen 3, int4 /
-// int5 / int8: 0.32-0.57x at 1 row, 0.60-0.75x at 4, 0.77-0.81x at 8, 0.73-1.0x at 16)
+// VNNI: up to 4 rows (AMX's bfloat16 tiles cost as much from 3 rows on), and up to 16 where
+// 4- and 5-bit weights take x on one plane (kX8; 8-bit weights keep two planes in blocks of 4
+// rows): qwen2.5-coder-0.5b on a 2-core Zen 4 (`clover bench passes`, the same run, alone):
+// verify 5 / 8 / 16 at 21-25 / 29-30 / 51-53 ms on the dots, 30-34 / 41-47 / 60-67 on the
+// bfloat16 path; 32 rows gained nothing. AVX2: up to 16, where the dots still cost 0.73-1.0x
+// the float path (a 4864 x 896 matmul on a 2-core Zen 3, int4 / int5 / int8: 0.32-0.57x at 1
+// row, 0.60-0.75x at 4, 0.77-0.81x at 8, 0.73-1.0x at 16)
 int64_t int8_dots_rows(int64_t isa) {
   if (!(isa & kInt8Dots)) return 0;
-  return dots_on_vnni(isa) ? 4 : 16;
+  return dots_on_vnni(isa) && !(isa & kX8) ? 4 : 16;
 }
 
 namespace {
@@ -174,13 +178,12 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<float> xd;
   std::vector<int32_t> xqs;
   if (M <= int8_dots_rows(isa)) {
-    // x on one 8-bit plane (kX8, 4- and 5-bit weights) runs the AVX2 dots, also on a VNNI CPU
-    a.x_planes = (isa & kX8) && w.bits != 8 ? 1 : 2;
-    const bool vnni = a.x_planes == 2 && dots_on_vnni(isa);
+    a.x_planes = (isa & kX8) && w.bits != 8 ? 1 : 2;  // x on one 8-bit plane (kX8, 4/5 bits)
+    const bool vnni = dots_on_vnni(isa);
     const int64_t G = w.K / w.group;
     xq.resize(a.x_planes * M * w.K), xd.resize(M * G), xqs.resize(M * G);
     const int group = static_cast<int>(w.group), bits = static_cast<int>(w.bits);
-    if (vnni)
+    if (vnni && a.x_planes == 2)
       quantize_rows(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data());
     else
       quantize_rows_avx2(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data(), a.x_planes);
@@ -247,7 +250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &clover::best_isa, "3: AMX + AVX-512 BF16, 2: AVX-512 BF16, 1: AVX2 + FMA, 0: portable");
   m.def("int8_dots_supported", &clover::int8_dots_supported,
         "whether kernel paths of level 1 or more may add 8: integer dots for short passes "
-        "(AVX-512 VNNI: 1 to 4 rows, else AVX2: 1 to 16)");
+        "(AVX-512 VNNI: 1 to 4 rows, 16 with 8-bit x; else AVX2: 1 to 16)");
   m.def("int8_dots_rows", &clover::int8_dots_rows,
         "passes of up to this many rows take integer dots on a kernel path (0: none)");
   m.def("qgemm", &clover::qgemm, "quantized matmul (qgemm.h)");

@@ -47,7 +47,7 @@ struct QGemm {
   const int8_t* xq = nullptr;    // [M, 2, K]: high and low int8 planes, x_q = 128 high + low
   const float* xd = nullptr;     // [M, G]: each group's step d (x ~ d * x_q)
   const int32_t* xqs = nullptr;  // [M, G]: sum of x_q per group
-  // 4- and 5-bit weights on the AVX2 dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
+  // 4- and 5-bit weights on the dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
   // -127..127, d = max |x| / 127; kernel path flag kX8). 8-bit weights keep 2 (their int16
   // x_q takes the bytes of two planes): K * x_planes bytes of xq a row
   int x_planes = 2;
@@ -85,7 +85,8 @@ void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_wide_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
-// integer dots on two int8 planes of x (AVX-512 VNNI): 1 to 4 rows of x
+// integer dots on two int8 planes of x, or one for 4- and 5-bit weights (AVX-512 VNNI): any
+// rows (qgemm_rows: up to 4 on two planes, 16 on one)
 void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1);
 // the same dots on AVX2 (qgemm_dots_avx2.cpp), to the bit: any rows (qgemm_rows: up to 16)
 void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1);

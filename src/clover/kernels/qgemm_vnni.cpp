@@ -1,7 +1,7 @@
-// Integer-dot path of the quantized matmul for passes of 1 to 4 rows (an AR step, a verify
-// pass of a short draft): x is rounded to integers per group of k and `vpdpbusd` (AVX-512 VNNI)
-// multiplies 16 weight rows x 4 k of bytes by 4 bytes of x broadcast, 64 multiply-adds an
-// instruction, summed exactly in int32. The bfloat16 path spends two instructions per pair of
+// Integer-dot path of the quantized matmul for short passes (an AR step, a verify pass: 1 to 4
+// rows, 16 with x on one plane, run_x8): x is rounded to integers per group of k and `vpdpbusd`
+// (AVX-512 VNNI) multiplies 16 weight rows x 4 k of bytes by 4 bytes of x broadcast, 64
+// multiply-adds an instruction, summed exactly in int32. The bfloat16 path spends two instructions per pair of
 // k unpacking 4-bit levels (shift, table lookup) beside one `vdpbf16ps` of 32 multiply-adds,
 // so one row ran at ~3x the time of reading the weights; here a 64-byte chunk of 4-bit levels
 // unpacks into bytes with three instructions for four `vpdpbusd` (two planes of x, below).
@@ -26,6 +26,7 @@
 //     `vpermw` puts row n's 4 bytes in lane n. Levels are signed, `vpdpbusd` wants its first
 //     operand unsigned: levels + 128 (a xor), and dot -= 128 sum(x_q).
 // |dot| < 32 x 255 x 16256 x 2: no int32 overflow.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -49,6 +50,23 @@ namespace {
 // from DRAM, and the hardware prefetcher alone left Qwen2.5-Coder-0.5B's AR step at 23.4 ms
 // (19.0-19.7 with 4 to 16 ahead)
 constexpr int64_t kAhead = 8;
+
+// y (tile t's 16 outputs of MR rows) + bias -> the output rows
+template <int MR>
+CLOVER_INLINE void store_rows(const QGemm& a, int64_t t, const __m512* y) {
+  for (int r = 0; r < MR; ++r) {
+    __m512 v = y[r];
+    if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
+    const int64_t o = r * a.out_stride() + 16 * t;
+    if (a.out_f32) {
+      _mm512_storeu_ps(a.out_f32 + o, v);
+    } else {
+      alignas(64) float f[16];
+      _mm512_store_ps(f, v);
+      for (int i = 0; i < 16; ++i) a.out_bf16[o + i] = to_bf16(f[i]);
+    }
+  }
+}
 
 // MR rows of x against tiles [t0, t1): per group, integer dots in two chains per row and plane
 // (even and odd quads of k), then y += dot * scale * d (+ low * xsum). The same operations in
@@ -120,20 +138,69 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
         if (LOW) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[r * G + g]), l, y[r]);
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      __m512 v = y[r];
-      if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + 16 * t));
-      const int64_t o = r * a.out_stride() + 16 * t;
-      if (a.out_f32) {
-        _mm512_storeu_ps(a.out_f32 + o, v);
-      } else {
-        alignas(64) float f[16];
-        _mm512_store_ps(f, v);
-        for (int i = 0; i < 16; ++i) a.out_bf16[o + i] = to_bf16(f[i]);
-      }
-    }
+    store_rows<MR>(a, t, y);
   }
 }
+
+// 4- and 5-bit levels with x on one 8-bit plane (kernel path flag kX8, quantize_rows_avx2's
+// planes 1: x_q in -127..127 in the order above): half the `vpdpbusd` of two planes, so a
+// row costs two an unpacked chunk and up to 8 rows share one unpacking. The dots are exact
+// and the epilogue is qgemm_dots_avx2.cpp's, lane for lane, so a row's result equals that
+// path's to the bit (it ran these passes on VNNI CPUs before: ~0.6x the instructions a chunk
+// here at one row, and a pass of 5 to 16 rows no longer falls to the bfloat16 path). Up to 4
+// rows take two chains a row (the chunk's low and high nibbles), then one: enough
+// independent sums either way, and 8 rows' sums + outputs fit the registers.
+template <int MR, int BITS, bool LOW, bool F16>
+void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, G = K / 32, per = LOW ? 32 : 16;
+  constexpr int64_t tile = BITS == 4 ? 256 : 320;
+  constexpr int CH = MR <= 4 ? 2 : 1;
+  const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 y[MR];
+    for (int r = 0; r < MR; ++r) y[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* base = a.q + (t * G + g) * tile;
+      for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
+      const int8_t* x = a.xq + g * 32;  // row r at x + rK
+      __m512i acc[MR][CH];
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < CH; ++i) acc[r][i] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(base + 64 * c);
+        __m512i lo = _mm512_and_si512(v, nib);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        if (BITS == 5) {  // as in run: + 16 where the level's high bit is set
+          uint32_t m[4];
+          std::memcpy(m, base + 256 + 16 * c, 16);
+          const uint64_t even = 0x5555555555555555ull, odd = ~even;
+          const __mmask64 mlo = _pdep_u64(m[0], even) | _pdep_u64(m[2], odd);
+          const __mmask64 mhi = _pdep_u64(m[1], even) | _pdep_u64(m[3], odd);
+          lo = _mm512_mask_add_epi8(lo, mlo, lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, mhi, hi, sixteen);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xp = x + r * K + 8 * c;
+          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, broadcast4(xp));
+          acc[r][CH - 1] = _mm512_dpbusd_epi32(acc[r][CH - 1], hi, broadcast4(xp + 4));
+        }
+      }
+      const int64_t at = (t * G + g) * per;
+      const __m512 s = load16<F16>(a.scales, at);
+      const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r) {
+        __m512i dot = CH == 2 ? _mm512_add_epi32(acc[r][0], acc[r][CH - 1]) : acc[r][0];
+        if (BITS == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * a.xqs[r * G + g]));
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.xd[r * G + g]));
+        y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, y[r]);
+        if (LOW) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[r * G + g]), l, y[r]);
+      }
+    }
+    store_rows<MR>(a, t, y);
+  }
+}
+
 
 }  // namespace
 
@@ -179,19 +246,50 @@ void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits
 }
 
 void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1) {
-  const auto rows = [&](auto BITS, auto GROUP, auto LOW, auto F16) {
-    constexpr int bits = decltype(BITS)::value, group = decltype(GROUP)::value;
-    constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
-    switch (a.M) {
-      case 1: return run<1, bits, group, low, f16>(a, t0, t1);
-      case 2: return run<2, bits, group, low, f16>(a, t0, t1);
-      case 3: return run<3, bits, group, low, f16>(a, t0, t1);
-      default: return run<4, bits, group, low, f16>(a, t0, t1);
-    }
+  // two planes: up to 4 rows a block (their 16 sums fill half the registers); one plane (4-
+  // and 5-bit weights, kX8): up to 8. A pass of one block runs the tiles in a stream; wider
+  // passes take each tile's blocks in turn, so the tile comes from L1/L2 after the first
+  const int block = a.x_planes == 1 ? 8 : 4;
+  const auto rows = [&](const QGemm& b, int64_t u0, int64_t u1) {
+    dispatch_format(b, [&](auto P, auto BITS, auto LOW, auto F16) {
+      constexpr int bits = decltype(BITS)::value, group = 2 * decltype(P)::value;
+      constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
+      if constexpr (bits != 8) {
+        if (b.x_planes == 1) {
+          switch (b.M) {
+            case 1: return run_x8<1, bits, low, f16>(b, u0, u1);
+            case 2: return run_x8<2, bits, low, f16>(b, u0, u1);
+            case 3: return run_x8<3, bits, low, f16>(b, u0, u1);
+            case 4: return run_x8<4, bits, low, f16>(b, u0, u1);
+            case 5: return run_x8<5, bits, low, f16>(b, u0, u1);
+            case 6: return run_x8<6, bits, low, f16>(b, u0, u1);
+            case 7: return run_x8<7, bits, low, f16>(b, u0, u1);
+            default: return run_x8<8, bits, low, f16>(b, u0, u1);
+          }
+        }
+      }
+      switch (b.M) {
+        case 1: return run<1, bits, group, low, f16>(b, u0, u1);
+        case 2: return run<2, bits, group, low, f16>(b, u0, u1);
+        case 3: return run<3, bits, group, low, f16>(b, u0, u1);
+        default: return run<4, bits, group, low, f16>(b, u0, u1);
+      }
+    });
   };
-  dispatch_format(a, [&](auto P, auto BITS, auto LOW, auto F16) {
-    rows(BITS, std::integral_constant<int, 2 * decltype(P)::value>{}, LOW, F16);
-  });
+  if (a.M <= block) return rows(a, t0, t1);
+  const int64_t G = a.K / a.group;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r0 = 0; r0 < a.M; r0 += block) {
+      QGemm b = a;
+      b.M = std::min<int64_t>(block, a.M - r0);
+      b.xq = a.xq + a.x_planes * r0 * a.K;
+      b.xd = a.xd + r0 * G;
+      b.xqs = a.xqs + r0 * G;
+      if (a.xsum) b.xsum = a.xsum + r0 * G;
+      if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.out_stride();
+      if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.out_stride();
+      rows(b, t, t + 1);
+    }
 }
 
 }  // namespace clover
