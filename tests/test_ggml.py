@@ -14,6 +14,7 @@ from clover.checkpoints.hf_dir import model_from_state, read_config, read_hf_dir
 from clover.checkpoints.loader import int4_later, load, mark_source_levels, prepare_checkpoint
 from clover.checkpoints.registry import resolve
 from clover.errors import CloverError
+from clover.kernels.qgemm import QWeight
 from clover.quant import Int4Linear, Int4Part, Int8Linear, quantize_model
 from tests.conftest import tiny_model
 
@@ -217,6 +218,26 @@ def test_gguf_levels_reach_the_kernels_unrounded(tmp_path, monkeypatch):
         assert torch.equal(proj.weight.dequantized(), torch.from_numpy(lv.dequantize())), name
     ids = torch.tensor([[1, 5, 9, 2]])
     assert torch.isfinite(loaded.model.logits(loaded.model(ids))).all()
+
+    # k-quant scales (d * sc, not float16 numbers) are kept compact for the integer dots:
+    # int8 multiples of a base per 256 values, the same logits as the float32 scales
+    compact = {"self_attn.q_proj": "Q4_K", "mlp.gate_proj": "Q4_K", "self_attn.v_proj": "Q6_K"}
+    for name, proj in layer.named_modules():
+        w = getattr(proj, "weight", None)
+        if isinstance(w, QWeight):
+            assert (w.mults is not None) == (name in compact), name
+    with torch.inference_mode():
+        cache = loaded.model.make_cache(1)
+        steps = [loaded.model.logits(loaded.model(ids[:, :3], cache))]
+        steps.append(loaded.model.logits(loaded.model(ids[:, 3:], cache)))
+        for proj in layer.modules():
+            if isinstance(getattr(proj, "weight", None), QWeight):
+                proj.weight.mults = proj.weight.bases = None
+        loaded.model.fused = None  # built again, from the float32 scales
+        cache = loaded.model.make_cache(1)
+        again = [loaded.model.logits(loaded.model(ids[:, :3], cache))]
+        again.append(loaded.model.logits(loaded.model(ids[:, 3:], cache)))
+    assert all(torch.equal(a, b) for a, b in zip(steps, again))
 
 
 def test_wide_types_can_be_rounded_to_4_bits(tmp_path, monkeypatch):

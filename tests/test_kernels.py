@@ -214,6 +214,54 @@ def test_int8_dots_on_avx2_equal_vnni_to_the_bit(x_bits, monkeypatch):
                 assert kernels.load().int8_dots_rows(kernels.isa()) >= M
 
 
+def k_quant_weight(affine: bool, N: int = 48, K: int = 512, seed: int = 0) -> QWeight:
+    """Levels with scales as GGUF's k-quants store them: a float16 per 256 values times a
+    small integer per group (Q4_K: 0..63 for scale and offset; Q6_K: int8, d of either sign)."""
+    g = torch.Generator().manual_seed(seed)
+    group = 32 if affine else 16
+
+    def per_group(lo: int, hi: int, sign: bool) -> torch.Tensor:
+        d = (torch.rand(N, K // 256, generator=g) * 0.01).half().float()
+        if sign:
+            d = d * (torch.randint(0, 2, d.shape, generator=g) * 2 - 1)
+        mult = torch.randint(lo, hi, (N, K // group), generator=g).float()
+        return d.repeat_interleave(256 // group, 1) * mult
+
+    if affine:
+        q = torch.randint(0, 16, (N, K), generator=g)
+        return QWeight.from_levels(q, per_group(0, 64, False), -per_group(0, 64, False), bits=4)
+    q = torch.randint(-32, 32, (N, K), generator=g)
+    return QWeight.from_levels(q, per_group(-128, 128, True), bits=8)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_k_quant_scales_are_stored_compact_and_give_the_same_results(affine, monkeypatch):
+    """Scales that are small integers times a base per 256 values (not float16 numbers) are
+    kept as int8 multiples plus the bases: fewer bytes a pass, and on every kernel path and
+    width (integer dots, which read them, and wider passes, which keep the float32 copy) the
+    same results to the bit as the float32 scales. Other float32 scales stay as they are."""
+    from clover.kernels.qgemm import compact_parts
+
+    w = k_quant_weight(affine)
+    assert w.scales.dtype == torch.float32 and w.mults is not None
+    plain = QWeight(w.bits, w.group, w.out_features, w.in_features, w.q, w.scales)
+    assert w.nbytes() < plain.nbytes() * (0.8 if affine else 0.9)
+    mult, base = compact_parts(w.group_scales()[..., 0].contiguous(), 256 // w.group)
+    assert torch.equal(mult.float() * base.repeat_interleave(256 // w.group, 1),
+                       w.group_scales()[..., 0])  # fmt: skip
+    assert compact_parts(torch.rand(16, 16) + 0.1, 8) is None  # arbitrary floats: no base
+    assert random_weight("int4", 48, 512, False).mults is None
+    bias = torch.randn(w.out_features)
+    x = torch.randn(40, w.in_features) * torch.rand(40, w.in_features) * 4
+    for isa in dot_isas() or available_isas():
+        monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+        for x_bits in (8, 15):
+            w.x_bits = plain.x_bits = x_bits
+            for M in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
+                got = w.matmul(x[:M], bias, out_bf16=False)
+                assert torch.equal(got, plain.matmul(x[:M], bias, out_bf16=False)), (isa, M)
+
+
 def verify_and_steps(model, prompt: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Logits of one verify pass over `step` after `prompt`, and of AR steps over the same
     tokens one at a time, each on a fresh cache."""

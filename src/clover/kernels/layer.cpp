@@ -398,7 +398,8 @@ void register_layer(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Packed>(m, "Packed")
       .def(py::init(&make_packed), py::arg("q"), py::arg("scales"), py::arg("bits"),
-           py::arg("group"), py::arg("has_low"), py::arg("N"), py::arg("K"), py::arg("bias"));
+           py::arg("group"), py::arg("has_low"), py::arg("N"), py::arg("K"), py::arg("bias"),
+           py::arg("mults") = py::none(), py::arg("bases") = py::none());
   py::class_<FusedLayer>(m, "FusedLayer")
       .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<Packed>, Packed,
                     std::vector<Packed>, Packed, int64_t, int64_t, int64_t, double, int64_t>())

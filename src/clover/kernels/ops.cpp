@@ -122,7 +122,8 @@ void group_sums(const uint16_t* xb, int64_t M, int64_t K, int64_t group, float* 
 }
 
 Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, int64_t group,
-                   bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias) {
+                   bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& mults, const c10::optional<at::Tensor>& bases) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   TORCH_CHECK(bits == 8 ? (group == 16 || group == 32) : group == 32, "unsupported group ", group);
   TORCH_CHECK(N % 16 == 0 && K % group == 0, "N must be a multiple of 16 and K of the group");
@@ -139,6 +140,19 @@ Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, 
   if (bias.has_value() && bias->defined()) {
     p.bias = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(p.bias.numel() == N, "bias must have N values");
+  }
+  const bool m = mults.has_value() && mults->defined(), b = bases.has_value() && bases->defined();
+  TORCH_CHECK(m == b, "compact scales: mults and bases together");
+  if (m) {
+    const int64_t G = K / group, per = 256 / group, parts = has_low ? 2 : 1;
+    TORCH_CHECK(G % per == 0, "compact scales: K a multiple of 256");
+    TORCH_CHECK(mults->is_contiguous() && mults->scalar_type() == at::kChar &&
+                    mults->numel() == parts * N * G,
+                "compact scales: mults int8 [N/16, G, parts, 16]");
+    TORCH_CHECK(bases->is_contiguous() && bases->scalar_type() == at::kFloat &&
+                    bases->numel() == parts * N * (G / per),
+                "compact scales: bases float32 [N/16, G/(256/group), parts, 16]");
+    p.mults = *mults, p.bases = *bases;
   }
   return p;
 }
@@ -188,6 +202,11 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
     else
       quantize_rows_avx2(xb, M, w.K, group, bits, xq.data(), xd.data(), xqs.data(), a.x_planes);
     a.xq = xq.data(), a.xd = xd.data(), a.xqs = xqs.data();
+    if (w.mults.defined()) {
+      a.mults = w.mults.data_ptr<int8_t>();
+      a.bases = w.bases.data_ptr<float>();
+      a.base_shift = w.group == 32 ? 3 : 4;
+    }
     fn = vnni ? qgemm_tiles_vnni : qgemm_tiles_dots_avx2;
   } else if ((isa & kInt8Dots) && isa_level(isa) == 1) {
     fn = qgemm_tiles_wide_avx2;  // wider passes: float32 weights, rows in registers
@@ -216,8 +235,9 @@ namespace {
 // y [..., N] = x [..., K] . W^T (+ bias); W packed as qgemm.h describes
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t bits,
                  int64_t group, bool has_low, int64_t N, const c10::optional<at::Tensor>& bias,
-                 bool out_bf16, int64_t isa) {
-  const Packed w = make_packed(q, scales, bits, group, has_low, N, x.size(-1), bias);
+                 bool out_bf16, int64_t isa, const c10::optional<at::Tensor>& mults,
+                 const c10::optional<at::Tensor>& bases) {
+  const Packed w = make_packed(q, scales, bits, group, has_low, N, x.size(-1), bias, mults, bases);
   at::Tensor xb, xs;
   prepare_x(x, group, has_low, xb, xs);
   const int64_t M = xb.size(0);

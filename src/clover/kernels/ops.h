@@ -8,12 +8,15 @@ namespace clover {
 
 struct Packed {  // a QWeight of clover/kernels/qgemm.py
   at::Tensor q, scales, bias;  // bias: float32 [N] or undefined
+  at::Tensor mults, bases;     // compact scales for the integer dots, or undefined
   int64_t bits = 4, group = 32, N = 0, K = 0;
   bool has_low = true;
 };
 
 Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, int64_t group,
-                   bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias);
+                   bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
+                   const c10::optional<at::Tensor>& mults = c10::nullopt,
+                   const c10::optional<at::Tensor>& bases = c10::nullopt);
 
 // out [M, N] (float32 or bfloat16: the one not null; rows ldo apart, 0: N) = xb [M, K] . W^T
 // (+ bias), over PyTorch's threads. xs: xb's sums per group (affine weights only).

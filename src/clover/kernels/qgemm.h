@@ -51,6 +51,12 @@ struct QGemm {
   // -127..127, d = max |x| / 127; kernel path flag kX8). 8-bit weights keep 2 (their int16
   // x_q takes the bytes of two planes): K * x_planes bytes of xq a row
   int x_planes = 2;
+  // the integer dots only: the scales (and lows) as int8 multiples of a float32 base per 256
+  // values of k (qgemm.py's `pack_compact`), read instead of `scales` when set: mults [NT, G,
+  // 1 or 2, 16] int8, bases [NT, G / per_base, 1 or 2, 16]; float32(mult) * base is the scale
+  const int8_t* mults = nullptr;
+  const float* bases = nullptr;
+  int base_shift = 3;  // log2 of the groups a base (8 for groups of 32, 16 for 16)
 };
 
 // Calls f(P, BITS, LOW, F16) with compile-time constants (std::integral_constant) for the

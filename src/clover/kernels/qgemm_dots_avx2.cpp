@@ -82,9 +82,21 @@ CLOVER_INLINE __m256i high16(__m256i m) {
 template <int MR, bool LOW, bool F16>
 CLOVER_INLINE void epilogue(const QGemm& a, int64_t G, int64_t t, int64_t g, int h,
                             const __m256i* dot, __m256* y) {
-  const int64_t at = (t * G + g) * (LOW ? 32 : 16) + 8 * h;
-  const __m256 s = load8<F16>(a.scales, at);
-  const __m256 l = LOW ? load8<F16>(a.scales, at + 16) : _mm256_setzero_ps();
+  constexpr int64_t per = LOW ? 32 : 16;
+  const int64_t at = (t * G + g) * per + 8 * h;
+  __m256 s, l = _mm256_setzero_ps();
+  if (a.mults != nullptr) {  // compact scales: float32(mult) * base (qgemm.h)
+    const int64_t bt = ((t * G >> a.base_shift) + (g >> a.base_shift)) * per + 8 * h;
+    const auto mult = [&](int64_t i) {
+      const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.mults + i));
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m));
+    };
+    s = _mm256_mul_ps(mult(at), _mm256_loadu_ps(a.bases + bt));
+    if (LOW) l = _mm256_mul_ps(mult(at + 16), _mm256_loadu_ps(a.bases + bt + 16));
+  } else {
+    s = load8<F16>(a.scales, at);
+    if (LOW) l = load8<F16>(a.scales, at + 16);
+  }
   for (int r = 0; r < MR; ++r) {
     const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(a.xd[r * G + g]));
     y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sd, y[r]);

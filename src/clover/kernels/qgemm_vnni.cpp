@@ -1,10 +1,11 @@
 // Integer-dot path of the quantized matmul for short passes (an AR step, a verify pass: 1 to 4
 // rows, 16 with x on one plane, run_x8): x is rounded to integers per group of k and `vpdpbusd`
 // (AVX-512 VNNI) multiplies 16 weight rows x 4 k of bytes by 4 bytes of x broadcast, 64
-// multiply-adds an instruction, summed exactly in int32. The bfloat16 path spends two instructions per pair of
-// k unpacking 4-bit levels (shift, table lookup) beside one `vdpbf16ps` of 32 multiply-adds,
-// so one row ran at ~3x the time of reading the weights; here a 64-byte chunk of 4-bit levels
-// unpacks into bytes with three instructions for four `vpdpbusd` (two planes of x, below).
+// multiply-adds an instruction, summed exactly in int32. The bfloat16 path spends two
+// instructions per pair of k unpacking 4-bit levels (shift, table lookup) beside one
+// `vdpbf16ps` of 32 multiply-adds, so one row ran at ~3x the time of reading the weights; here
+// a 64-byte chunk of 4-bit levels unpacks into bytes with three instructions for four
+// `vpdpbusd` (two planes of x, below).
 //
 // x in 8 bits per group (llama.cpp's Q8_0 activations) was too coarse: one outlier sets the
 // step of its 31 neighbours, and SmolLM2-135M's next-token KL against float32, one token a
@@ -73,7 +74,7 @@ CLOVER_INLINE void store_rows(const QGemm& a, int64_t t, const __m512* y) {
 // the same order for every MR: a row's result does not depend on the rows beside it.
 template <int MR, int BITS, int GROUP, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, G = K / GROUP, per = LOW ? 32 : 16;
+  const int64_t K = a.K, G = K / GROUP;
   const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 16 * GROUP;
   constexpr int kBias = BITS == 4 ? 0 : BITS == 5 ? 16 : 128;  // unsigned levels = level + this
   const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
@@ -126,9 +127,8 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           }
         }
       }
-      const int64_t at = (t * G + g) * per;
-      const __m512 s = load16<F16>(a.scales, at);
-      const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
+      __m512 s, l;
+      scales16<F16, LOW>(a, t, G, g, s, l);
       for (int r = 0; r < MR; ++r) {
         __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), 7),
                                        _mm512_add_epi32(acc[r][2], acc[r][3]));
@@ -152,7 +152,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
 // independent sums either way, and 8 rows' sums + outputs fit the registers.
 template <int MR, int BITS, bool LOW, bool F16>
 void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, G = K / 32, per = LOW ? 32 : 16;
+  const int64_t K = a.K, G = K / 32;
   constexpr int64_t tile = BITS == 4 ? 256 : 320;
   constexpr int CH = MR <= 4 ? 2 : 1;
   const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
@@ -186,9 +186,8 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
           acc[r][CH - 1] = _mm512_dpbusd_epi32(acc[r][CH - 1], hi, broadcast4(xp + 4));
         }
       }
-      const int64_t at = (t * G + g) * per;
-      const __m512 s = load16<F16>(a.scales, at);
-      const __m512 l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
+      __m512 s, l;
+      scales16<F16, LOW>(a, t, G, g, s, l);
       for (int r = 0; r < MR; ++r) {
         __m512i dot = CH == 2 ? _mm512_add_epi32(acc[r][0], acc[r][CH - 1]) : acc[r][0];
         if (BITS == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * a.xqs[r * G + g]));

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "qgemm.h"
+
 #define CLOVER_INLINE inline __attribute__((always_inline))
 
 namespace clover {
@@ -19,6 +21,27 @@ CLOVER_INLINE __m512 load16(const void* p, int64_t at) {
     return _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at)));
   return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+}
+
+// Tile t's 16 scales (s) and lows (l) of group g (G a row): stored (float16 or float32), or
+// compact (`QGemm::mults`): float32(mult) * base, the stored float32 value to the bit
+template <bool F16, bool LOW>
+CLOVER_INLINE void scales16(const QGemm& a, int64_t t, int64_t G, int64_t g, __m512& s,
+                            __m512& l) {
+  constexpr int64_t per = LOW ? 32 : 16;
+  const int64_t at = (t * G + g) * per;
+  if (a.mults != nullptr) {
+    const int64_t bt = ((t * G >> a.base_shift) + (g >> a.base_shift)) * per;
+    const auto mult = [&](int64_t i) {
+      const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.mults + i));
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m));
+    };
+    s = _mm512_mul_ps(mult(at), _mm512_loadu_ps(a.bases + bt));
+    l = LOW ? _mm512_mul_ps(mult(at + 16), _mm512_loadu_ps(a.bases + bt + 16)) : _mm512_setzero_ps();
+    return;
+  }
+  s = load16<F16>(a.scales, at);
+  l = LOW ? load16<F16>(a.scales, at + 16) : _mm512_setzero_ps();
 }
 
 // the 4 bytes at p (a pair of bfloat16 x, or 4 int8 x) in every 32-bit lane

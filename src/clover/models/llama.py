@@ -285,7 +285,7 @@ def build_fused_layers(model: LlamaModel) -> list | None:
             return None  # Int4Linear or Int8Linear (a GGUF's 8-bit levels) in our kernels
         w = linear.weight
         return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
-                             w.in_features, linear.bias)  # fmt: skip
+                             w.in_features, linear.bias, w.mults, w.bases)  # fmt: skip
 
     def group(module: nn.Module, fused: str, names: tuple[str, ...]) -> list | None:
         """The packed matrix, or (when its parts differ in format, e.g. a Q6_K v beside Q4_K
