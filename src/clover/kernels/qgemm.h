@@ -53,11 +53,28 @@ struct QGemm {
   int x_planes = 2;
   // the integer dots only: the scales (and lows) as int8 multiples of a float32 base per 256
   // values of k (qgemm.py's `pack_compact`), read instead of `scales` when set: mults [NT, G,
-  // 1 or 2, 16] int8, bases [NT, G / per_base, 1 or 2, 16]; float32(mult) * base is the scale
+  // 1 or 2, 16] int8, bases [NT, G >> base_shift, 1 or 2, 16]; float32(mult) * base is the
+  // scale
   const int8_t* mults = nullptr;
   const float* bases = nullptr;
   int base_shift = 3;  // log2 of the groups a base (8 for groups of 32, 16 for 16)
 };
+
+// Rows [r0, r0 + rows) of an integer-dot pass as a pass of their own (their x, steps, sums and
+// output rows; the same weights): one block of a kernel that takes rows in blocks
+inline QGemm row_block(const QGemm& a, int64_t r0, int64_t rows) {
+  const int64_t G = a.K / a.group;
+  QGemm b = a;
+  b.M = rows;
+  b.xq = a.xq + a.x_planes * r0 * a.K;  // x_planes K bytes a row (int8 weights: int16 x)
+  b.xd = a.xd + r0 * G;
+  b.xqs = a.xqs + r0 * G;
+  if (a.xsum) b.xsum = a.xsum + r0 * G;
+  // outputs: row r of the block at (r0 + r) * ldo; the kernels write r * ldo + 16 t
+  if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.out_stride();
+  if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.out_stride();
+  return b;
+}
 
 // Calls f(P, BITS, LOW, F16) with compile-time constants (std::integral_constant) for the
 // weights' format: P pairs of k per group (16; 8 for int8 in groups of 16), BITS 4, 5 or 8,

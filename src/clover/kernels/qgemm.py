@@ -85,8 +85,8 @@ def compact_parts(scale: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch
     g = torch.where(g == 0, 1, g)
     mult = aligned // g[..., None]
     # a negative base where that fits int8 (Q6_K's d may be negative: quotients up to 128)
-    g = torch.where(mult.amax(-1) > 127, -g, g)
-    mult = aligned // g[..., None]
+    flip = mult.amax(-1) > 127
+    g, mult = torch.where(flip, -g, g), torch.where(flip[..., None], -mult, mult)
     if int(mult.min()) < -128 or int(mult.max()) > 127:
         return None
     low_exp = torch.where(low_exp == big, 0, low_exp)

@@ -314,18 +314,9 @@ void qgemm_tiles_dots_avx2(const QGemm& a, int64_t t0, int64_t t1) {
   // rows in blocks of 4 (the accumulators of 4 fill the registers), tile by tile so that a
   // tile's weights come from L1/L2 for the blocks after the first; each row's result is the
   // same in any block
-  const int64_t G = a.K / a.group;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t r0 = 0; r0 < a.M; r0 += 4) {
-      QGemm b = a;
-      b.M = std::min<int64_t>(4, a.M - r0);
-      b.xq = a.xq + a.x_planes * r0 * a.K;  // x_planes K bytes a row (int8 weights: int16 x)
-      b.xd = a.xd + r0 * G;
-      b.xqs = a.xqs + r0 * G;
-      if (a.xsum) b.xsum = a.xsum + r0 * G;
-      // outputs: row r of the block at (r0 + r) * ldo; the kernels write r * ldo + 16 t
-      if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.out_stride();
-      if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.out_stride();
+      const QGemm b = row_block(a, r0, std::min<int64_t>(4, a.M - r0));
       switch (b.M) {
         case 1: run_rows<1>(b, t, t + 1); break;
         case 2: run_rows<2>(b, t, t + 1); break;

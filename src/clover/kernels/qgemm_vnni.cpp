@@ -52,6 +52,20 @@ namespace {
 // (19.0-19.7 with 4 to 16 ahead)
 constexpr int64_t kAhead = 8;
 
+// int5: lo and hi (the & 15 and >> 4 bytes of chunk c of a tile's group at `base`) + 16 where
+// the level's high bit is set, so levels + 16 in 0..31: pairs 4c..4c+3 hold bit w of word w;
+// byte 4n + b of lo holds word 2n + b / 2 of pair 4c + 2 (b % 2)
+CLOVER_INLINE void add_high_bits(const uint8_t* base, int c, __m512i& lo, __m512i& hi) {
+  uint32_t m[4];
+  std::memcpy(m, base + 256 + 16 * c, 16);
+  const uint64_t even = 0x5555555555555555ull, odd = ~even;
+  const __mmask64 mlo = _pdep_u64(m[0], even) | _pdep_u64(m[2], odd);
+  const __mmask64 mhi = _pdep_u64(m[1], even) | _pdep_u64(m[3], odd);
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  lo = _mm512_mask_add_epi8(lo, mlo, lo, sixteen);
+  hi = _mm512_mask_add_epi8(hi, mhi, hi, sixteen);
+}
+
 // y (tile t's 16 outputs of MR rows) + bias -> the output rows
 template <int MR>
 CLOVER_INLINE void store_rows(const QGemm& a, int64_t t, const __m512* y) {
@@ -77,7 +91,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / GROUP;
   const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 16 * GROUP;
   constexpr int kBias = BITS == 4 ? 0 : BITS == 5 ? 16 : 128;  // unsigned levels = level + this
-  const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  const __m512i nib = _mm512_set1_epi8(0x0f);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i rows_of_quads = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
                                                  25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
@@ -98,15 +112,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           const __m512i v = _mm512_loadu_si512(base + 64 * c);
           __m512i lo = _mm512_and_si512(v, nib);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-          if (BITS == 5) {  // + 16 where the level's high bit is set: levels + 16 in 0..31
-            uint32_t m[4];  // pairs 4c..4c+3: bit w of word w; byte 4n + b of lo holds word
-            std::memcpy(m, base + 256 + 16 * c, 16);  // 2n + b / 2 of pair 4c + 2 (b % 2)
-            const uint64_t even = 0x5555555555555555ull, odd = ~even;
-            const __mmask64 mlo = _pdep_u64(m[0], even) | _pdep_u64(m[2], odd);
-            const __mmask64 mhi = _pdep_u64(m[1], even) | _pdep_u64(m[3], odd);
-            lo = _mm512_mask_add_epi8(lo, mlo, lo, sixteen);
-            hi = _mm512_mask_add_epi8(hi, mhi, hi, sixteen);
-          }
+            if (BITS == 5) add_high_bits(base, c, lo, hi);
           for (int r = 0; r < MR; ++r)
             for (int pl = 0; pl < 2; ++pl) {
               const int8_t* xp = x + (2 * r + pl) * K + 8 * c;
@@ -155,7 +161,7 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / 32;
   constexpr int64_t tile = BITS == 4 ? 256 : 320;
   constexpr int CH = MR <= 4 ? 2 : 1;
-  const __m512i nib = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+  const __m512i nib = _mm512_set1_epi8(0x0f);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 y[MR];
     for (int r = 0; r < MR; ++r) y[r] = _mm512_setzero_ps();
@@ -171,15 +177,7 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
         const __m512i v = _mm512_loadu_si512(base + 64 * c);
         __m512i lo = _mm512_and_si512(v, nib);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        if (BITS == 5) {  // as in run: + 16 where the level's high bit is set
-          uint32_t m[4];
-          std::memcpy(m, base + 256 + 16 * c, 16);
-          const uint64_t even = 0x5555555555555555ull, odd = ~even;
-          const __mmask64 mlo = _pdep_u64(m[0], even) | _pdep_u64(m[2], odd);
-          const __mmask64 mhi = _pdep_u64(m[1], even) | _pdep_u64(m[3], odd);
-          lo = _mm512_mask_add_epi8(lo, mlo, lo, sixteen);
-          hi = _mm512_mask_add_epi8(hi, mhi, hi, sixteen);
-        }
+        if (BITS == 5) add_high_bits(base, c, lo, hi);
         for (int r = 0; r < MR; ++r) {
           const int8_t* xp = x + r * K + 8 * c;
           acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, broadcast4(xp));
@@ -199,7 +197,6 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
     store_rows<MR>(a, t, y);
   }
 }
-
 
 }  // namespace
 
@@ -276,19 +273,9 @@ void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1) {
     });
   };
   if (a.M <= block) return rows(a, t0, t1);
-  const int64_t G = a.K / a.group;
   for (int64_t t = t0; t < t1; ++t)
-    for (int64_t r0 = 0; r0 < a.M; r0 += block) {
-      QGemm b = a;
-      b.M = std::min<int64_t>(block, a.M - r0);
-      b.xq = a.xq + a.x_planes * r0 * a.K;
-      b.xd = a.xd + r0 * G;
-      b.xqs = a.xqs + r0 * G;
-      if (a.xsum) b.xsum = a.xsum + r0 * G;
-      if (a.out_f32) b.out_f32 = a.out_f32 + r0 * a.out_stride();
-      if (a.out_bf16) b.out_bf16 = a.out_bf16 + r0 * a.out_stride();
-      rows(b, t, t + 1);
-    }
+    for (int64_t r0 = 0; r0 < a.M; r0 += block)
+      rows(row_block(a, r0, std::min<int64_t>(block, a.M - r0)), t, t + 1);
 }
 
 }  // namespace clover
