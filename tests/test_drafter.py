@@ -95,6 +95,63 @@ def test_decode_path_equals_training_path():
                 torch.testing.assert_close(one[0], both[row, s], rtol=1e-4, atol=1e-5)
 
 
+def test_chain_decode_path_equals_training_path():
+    """A chain drafter: its passes over a growing block (positions 0 and 1, then one position
+    a pass, each over the block positions the earlier passes wrote) give the teacher-forced
+    training pass's outputs; inside the block it is causal (a later token changes nothing
+    before it); the block path refuses it."""
+    model = tiny_model()
+    drafter = drafter_for(model, chain=True)
+    feats = torch.randn(2, 9, 2 * model.config.hidden_size)
+    embed = model.model.embed_tokens
+    n = torch.tensor([9, 6])
+    first = torch.tensor([5, 7])
+    before = torch.tensor([[5, 11, 12], [7, 13, 14]])  # position i >= 1 reads before[:, i - 1]
+    with torch.no_grad():
+        want = drafter.train_hidden(feats, n, first[:, None], n[:, None], embed,
+                                    before=before[:, None])[:, 0]  # fmt: skip
+        other = before.clone()
+        other[:, 2] = 20
+        moved = drafter.train_hidden(feats, n, first[:, None], n[:, None], embed,
+                                     before=other[:, None])[:, 0]  # fmt: skip
+        cache = drafter.make_cache(2)
+        drafter.commit(feats[:, :4], torch.tensor([4, 4]), cache)
+        drafter.commit(feats[:, 4:], torch.tensor([5, 2]), cache)
+        got = [drafter.chain_hidden(torch.stack([first, first], 1), 0, embed, cache)]
+        got.append(drafter.chain_hidden(before[:, 1:2], 2, embed, cache))
+        got.append(drafter.chain_hidden(before[:, 2:3], 3, embed, cache))
+    assert torch.equal(cache.lengths, n)  # nothing committed
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(moved[:, :3], want[:, :3])
+    assert not torch.allclose(moved[:, 3], want[:, 3])
+    with pytest.raises(CloverError, match="token by token"):
+        drafter.block_hidden(first, embed, cache)
+
+
+def test_chain_drafts_feed_each_greedy_draft_to_the_next_pass():
+    """DrafterRunner.draft with a chain drafter: position i's logits are the training pass's
+    with the greedy drafts before it as the block's tokens."""
+    from clover.decoding.drafting import DrafterRunner
+
+    model = tiny_model()
+    drafter = drafter_for(model, chain=True)
+    feats = torch.randn(1, 7, 2 * model.config.hidden_size)
+    embed = model.model.embed_tokens
+    runner = DrafterRunner(model, drafter)
+    runner.add_row()
+    runner.commit(feats, torch.tensor([7]))
+    first = torch.tensor([5])
+    logits = runner.draft(first, 4)  # [1, 3, V]
+    drafts = logits.argmax(-1)
+    with torch.no_grad():
+        before = torch.cat([first[:, None], drafts[:, :2]], 1)[:, None]
+        h = drafter.train_hidden(feats, torch.tensor([7]), first[:, None], torch.tensor([[7]]),
+                                 embed, before=before)[:, 0]  # fmt: skip
+        want = model.logits(h[:, 1:])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(runner.cache.lengths, torch.tensor([7]))
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_narrow_training_pass_equals_the_first_positions_of_the_whole_block(layers):
     """train_hidden(width=w) runs the last layer for the first w block positions only; the
@@ -163,19 +220,20 @@ def drafter_config(tiny_checkpoint, data, out, **kw):
     return DrafterTrainConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("loss", ["kl", "ce"])
-def test_drafter_training_learns_and_writes_a_loadable_file(tiny_checkpoint, data, tmp_path, loss):
+@pytest.mark.parametrize("loss, chain", [("kl", False), ("ce", False), ("kl", True)])
+def test_drafter_training_learns_and_writes_a_loadable_file(tiny_checkpoint, data, tmp_path, loss,
+                                                            chain):  # fmt: skip
     from clover.engine import LLM
     from clover.train.drafter import train_drafter
 
-    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "run", steps=16, loss=loss)
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "run", steps=16, loss=loss, chain=chain)
     last = train_drafter(cfg, progress=False)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 16 and lines[-1]["loss"] < lines[0]["loss"]
     assert "accepted" in last["heldout"]
     target = LLM(str(tiny_checkpoint), progress=False).model
     drafter = load_drafter(tmp_path / "run" / "drafter.safetensors", target)
-    assert drafter.config.info["steps"] == 16
+    assert drafter.config.info["steps"] == 16 and drafter.config.chain == chain
 
 
 def test_drafter_training_resumes_exactly(tiny_checkpoint, data, tmp_path):
@@ -229,6 +287,9 @@ def test_export_in_the_speculators_format(tmp_path):
         from clover.models.drafter import export_speculators
 
         export_speculators(path, tmp_path / "spec", ["LlamaForCausalLM"])
+    chain = save_drafter(drafter_for(tiny_model(), chain=True), tmp_path / "chain.safetensors")
+    with pytest.raises(CloverError, match="only block drafters export"):
+        export_speculators(chain, tmp_path / "chain-spec", ["LlamaForCausalLM"])
 
 
 def attached(model, **kw):
@@ -251,13 +312,15 @@ def decoded(model, prompts, policy, max_new_tokens):
 
 @pytest.mark.parametrize("draft", ["drafter", "drafter+lookup"])
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_drafter_drafts_are_lossless_batched(draft, adaptive):
+@pytest.mark.parametrize("chain", [False, True])
+def test_drafter_drafts_are_lossless_batched(draft, adaptive, chain):
     """self_spec with drafter drafts: float32 greedy answers token-identical to ar, rows of
     different lengths decoded together, each with its own draft length (adaptive: from this
-    machine's pass costs and the row's acceptance; else block_size - 1)."""
+    machine's pass costs and the row's acceptance; else block_size - 1); block and chain
+    drafters."""
     from clover.decoding.policies import SelfSpec
 
-    model = attached(tiny_model(seed=3))
+    model = attached(tiny_model(seed=3), chain=chain)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     ar = decoded(model, prompts, "ar", 24)
     spec = decoded(model, prompts, SelfSpec(block_size=4, draft=draft, adaptive=adaptive), 24)

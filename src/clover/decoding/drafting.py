@@ -6,9 +6,9 @@ Per step, after the target's verify pass (which computed the features anyway: th
 costs no extra target pass): `commit` appends the features of each row's tokens that stayed
 committed (certain tokens + accepted drafts) to the rows that draft next (the others keep them
 until they do), then `draft` runs one drafter pass over a block
-[the new certain token, MASK x (w - 1)] for the rows that want a draft and returns each row's
-draft logits (from the LM head's rows of the drafter's draft vocabulary only, if it has
-one: the rest are -inf). A row whose prompt prefix came from the prefix cache has no features
+[the new certain token, MASK x (w - 1)] (a chain drafter: one pass per drafted token) for the
+rows that want a draft and returns each row's draft logits (from the LM head's rows of the
+drafter's draft vocabulary only, if it has one: the rest are -inf). A row whose prompt prefix came from the prefix cache has no features
 for that prefix: its drafter context starts after it. Positions need no offset for that
 (RoPE attention sees only distances, the same either way); it costs draft quality, never
 exactness (every draft is verified).
@@ -88,13 +88,30 @@ class DrafterRunner:
 
     def draft(self, first: torch.Tensor, width: int) -> torch.Tensor:
         """first [B] (each row's new certain token) -> draft logits [B, width - 1, V]: for
-        positions 1 .. width - 1 after it (rows that want no draft ignore theirs)."""
+        positions 1 .. width - 1 after it (rows that want no draft ignore theirs). A chain
+        drafter takes width - 1 passes, each reading the previous position's greedy draft
+        (sampled rows draw their drafts from these logits all the same: each position's
+        distribution is fixed before the draws, so speculative sampling stays exact)."""
+        embed = self.model.model.embed_tokens
         with torch.inference_mode():
-            h = self.drafter.block_hidden(first, self.model.model.embed_tokens, self.cache, width)
-            h = h[:, 1:].to(self.model.model.embed_tokens.weight.dtype)
-            if self.head is None:
-                return self.model.logits(h)
-            # the draft vocabulary's logits, every other token at -inf (never drafted)
-            part = self.head(h).float()  # [B, width - 1, n]
-            out = part.new_full((*part.shape[:2], self.drafter.config.vocab_size), float("-inf"))
-            return out.scatter_(-1, self.vocab.expand_as(part), part)
+            if not self.drafter.config.chain:
+                h = self.drafter.block_hidden(first, embed, self.cache, width)
+                return self._logits(h[:, 1:])
+            steps = []
+            ids, offset = torch.stack([first, first], 1), 0  # positions 0 and 1 read `first`
+            for _ in range(width - 1):
+                h = self.drafter.chain_hidden(ids, offset, embed, self.cache)
+                steps.append(self._logits(h[:, -1:]))
+                offset += ids.shape[1]
+                ids = steps[-1][:, 0].argmax(-1, keepdim=True)  # [B, 1]: the next one reads it
+            return torch.cat(steps, 1)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """final hidden [B, n, D] -> logits [B, n, V] (the draft vocabulary's, every other
+        token at -inf: never drafted)."""
+        h = h.to(self.model.model.embed_tokens.weight.dtype)
+        if self.head is None:
+            return self.model.logits(h)
+        part = self.head(h).float()  # [B, n, k]
+        out = part.new_full((*part.shape[:2], self.drafter.config.vocab_size), float("-inf"))
+        return out.scatter_(-1, self.vocab.expand_as(part), part)

@@ -13,6 +13,12 @@ target to verify causally (`self_spec` with `draft="drafter"`).
 - Output: the target's LM head (frozen) on the final hidden state; block position i >= 1
   predicts the token at position p + i. A drafter may draft from a part of the vocabulary
   (`draft_vocab`: the head's rows for those ids only; trained on all of them by default).
+- `chain: true` drafts one token at a time instead (the EAGLE way of conditioning, on the
+  same context): block position i >= 1 reads the token at p + i - 1 (the verified token at
+  i = 1, then the previous draft) where the block drafter reads [MASK], and the block is causal
+  inside. Training feeds the answer's own tokens there (teacher forcing), so its leading
+  acceptance is what chained drafting keeps; decoding runs one pass per drafted token
+  (`chain_hidden`). Position 0 is kept (the verified token at p) so both kinds share a layout.
 
 Decoding keeps the context K/V per drafter layer in a `ModelCache` of `KVCache`s: features of
 newly committed tokens are projected once and appended (`commit`), each draft is one block pass
@@ -73,6 +79,7 @@ class DrafterConfig:
     # training answers used most, then the lowest ids); 0: the whole vocabulary. A smaller
     # head makes a drafter pass cheaper; the verify pass still reads the whole head
     draft_vocab: int = 0
+    chain: bool = False  # draft token by token, each reading the one before (see above)
     info: dict = field(default_factory=dict)  # provenance: data, steps, measurements
 
     def __post_init__(self) -> None:
@@ -88,6 +95,8 @@ class DrafterConfig:
             raise CloverError("drafter config: heads must divide evenly, head_dim be even")
         if not isinstance(self.draft_vocab, int) or not 0 <= self.draft_vocab < self.vocab_size:
             raise CloverError("drafter config: draft_vocab must be 0 (all) or under vocab_size")
+        if not isinstance(self.chain, bool):
+            raise CloverError(f"drafter config: chain must be true or false, not {self.chain!r}")
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -205,12 +214,19 @@ class Drafter(nn.Module):
         """features [B, T, k * D] (the target's, float32) -> context vectors [B, T, D]."""
         return self.fc_norm(self.fc(features.to(self.norm.weight.dtype)))
 
-    def block_inputs(self, first: torch.Tensor, embed: nn.Embedding, width: int) -> torch.Tensor:
+    def block_inputs(self, first: torch.Tensor, embed: nn.Embedding, width: int,
+                     before: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """first [B] (the last verified tokens) -> [B, width, D]: its embedding, then the
-        target's embedding of the [MASK] token (frozen, as in the speculators format)."""
+        target's embedding of the [MASK] token (frozen, as in the speculators format); a chain
+        drafter's position i >= 1 reads before[:, i - 1] instead ([B, width - 1]: the token
+        before the one it predicts)."""
         ids = torch.full((first.shape[0], width), self.config.mask_token_id, dtype=torch.long,
                          device=first.device)  # fmt: skip
         ids[:, 0] = first
+        if self.config.chain:
+            if before is None or before.shape[-1] < width - 1:
+                raise CloverError("a chain drafter's block needs the token before each position")
+            ids[:, 1:] = before[:, : width - 1]
         return embed(ids).to(self.norm.weight.dtype)
 
     # --- decoding: the context in a cache -------------------------------------------------------
@@ -237,6 +253,8 @@ class Drafter(nn.Module):
         """One draft pass: first [B] -> final hidden [B, width, D] (position i >= 1 predicts
         the token i places after `first`); nothing is committed."""
         width = width or self.config.block_size
+        if self.config.chain:
+            raise CloverError("a chain drafter drafts token by token (chain_hidden)")
         B = first.shape[0]
         cache.prepare(width)
         zeros = torch.zeros(B, dtype=torch.long)
@@ -248,17 +266,38 @@ class Drafter(nn.Module):
             h = layer.mlp_residual(h)
         return self.norm(h)
 
+    def chain_hidden(self, ids: torch.Tensor, offset: int, embed: nn.Embedding,
+                     cache: ModelCache) -> torch.Tensor:  # fmt: skip
+        """A chain drafter's pass over block positions offset .. offset + T - 1 holding ids
+        [B, T] (position 0: the verified token; i >= 1: the token before the one it predicts)
+        -> final hidden [B, T, D]. Causal: each position sees the context and the block
+        positions before it, which earlier passes of the same draft wrote past the context
+        (scratch slots: nothing is committed). A draft of k tokens is one pass over positions
+        0 and 1, then one per further token."""
+        B, T = ids.shape
+        cache.prepare(offset + T)
+        lengths = cache.lengths + offset
+        n = torch.full_like(lengths, T)
+        layout = cached_layout(n, torch.zeros_like(n), lengths, T)
+        rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
+        h = embed(ids).to(self.norm.weight.dtype)
+        for layer, lc in zip(self.layers, cache.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
+            h = layer.mlp_residual(h)
+        return self.norm(h)
+
     # --- training: many blocks of a sequence at once ------------------------------------------
 
     def train_hidden(self, features: torch.Tensor, n_context: torch.Tensor, first: torch.Tensor,
                      starts: torch.Tensor, embed: nn.Embedding, width: int | None = None,
-                     ) -> torch.Tensor:  # fmt: skip
+                     before: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """features [N, L, k * D] of N sequences (n_context[n] of them real); blocks: starts
         [N, S] (block s begins at position starts[n, s] with token first[n, s]) -> hidden
         [N, S, width, D] of each block's first `width` positions (None: all B). Block s sees
-        context positions < starts[n, s] and its own B positions; a narrower width computes
-        the last layer's queries, output projection and MLP for those positions only (the
-        same values: the block's other positions are still its keys and values)."""
+        context positions < starts[n, s] and its own B positions (a chain drafter: those
+        before each, and before [N, S, B - 1] holds the tokens its positions read); a narrower
+        width computes the last layer's queries, output projection and MLP for those positions
+        only (the same values: the block's other positions are still its keys and values)."""
         N, L, _ = features.shape
         S, B = starts.shape[1], self.config.block_size
         c = self.context(features)
@@ -272,9 +311,13 @@ class Drafter(nn.Module):
             < torch.minimum(starts.repeat_interleave(B, 1), n_context[:, None])[..., None]
         )  # [N, S*B, L]
         blk = torch.arange(S * B) // B
-        key_blk = (blk[:, None] == blk[None, :])[None].expand(N, -1, -1)  # [N, S*B, S*B]
+        key_blk = blk[:, None] == blk[None, :]  # [S*B, S*B]
+        if self.config.chain:  # causal inside the block
+            key_blk = key_blk & (torch.arange(S * B)[:, None] >= torch.arange(S * B)[None, :])
+        key_blk = key_blk[None].expand(N, -1, -1)  # [N, S*B, S*B]
         mask = torch.cat([key_ctx, key_blk], -1)[:, None]  # [N, 1, S*B, L + S*B]
-        h = self.block_inputs(first.reshape(-1), embed, B).reshape(N, S * B, -1)
+        prev = None if before is None else before.reshape(N * S, -1)
+        h = self.block_inputs(first.reshape(-1), embed, B, prev).reshape(N, S * B, -1)
         width = B if width is None else min(width, B)
         wanted = None if width == B else (torch.arange(S * B) % B < width).nonzero()[:, 0]
         for i, layer in enumerate(self.layers):
@@ -506,6 +549,9 @@ def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures
         raise CloverError(f"{out_dir} is not empty (use --force to replace it)")
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter = load_drafter(Path(drafter_file))
+    if drafter.config.chain:
+        raise CloverError(f"{drafter_file}: a chain drafter (token by token) is not the DFlash "
+                          "layout the speculators format describes; only block drafters export")  # fmt: skip
     state = {k: v.contiguous() for k, v in speculators_state(drafter).items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = speculators_config(drafter, verifier_architectures)

@@ -83,6 +83,9 @@ class DrafterTrainConfig:
     # the head's cost in a step shrinks with it; the drafter then knows nothing of the other
     # tokens, which matters only where it runs with the whole head: a speculators export)
     loss_vocab: str = "all"
+    # a chain drafter (models/drafter.py): drafts token by token, each position reading the
+    # token before it, trained on the answer's own tokens there
+    chain: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -335,7 +338,12 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     if cfg.loss_positions:
         B = min(B, cfg.loss_positions + 1)
     first = ids.gather(1, starts)
-    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens, B)  # [N,S,B,D]
+    before = None  # a chain drafter reads the answer's own tokens (teacher forcing)
+    if drafter.config.chain:
+        at = starts[..., None] + torch.arange(drafter.config.block_size - 1)  # [N, S, B-1]
+        before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(at.shape)
+    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens, B,
+                             before)  # [N,S,B,D]  # fmt: skip
     # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
     # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
     logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
@@ -476,7 +484,8 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         p.requires_grad_(False)
     train, heldout, unseen = load_sets(cfg)
     torch.manual_seed(cfg.seed)
-    overrides = {"num_hidden_layers": cfg.layers, "block_size": cfg.block_size}
+    overrides = {"num_hidden_layers": cfg.layers, "block_size": cfg.block_size,
+                 "chain": cfg.chain}  # fmt: skip
     if cfg.feature_layers:
         overrides["feature_layers"] = list(cfg.feature_layers)
     drafter = new_drafter(target, cfg.target, **overrides).float().to(cfg.device).train()
