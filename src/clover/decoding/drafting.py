@@ -8,10 +8,10 @@ committed (certain tokens + accepted drafts) to the rows that draft next (the ot
 until they do), then `draft` runs one drafter pass over a block
 [the new certain token, MASK x (w - 1)] (a chain drafter: one pass per drafted token) for the
 rows that want a draft and returns each row's draft logits (from the LM head's rows of the
-drafter's draft vocabulary only, if it has one: the rest are -inf). A row whose prompt prefix came from the prefix cache has no features
-for that prefix: its drafter context starts after it. Positions need no offset for that
-(RoPE attention sees only distances, the same either way); it costs draft quality, never
-exactness (every draft is verified).
+drafter's draft vocabulary only, if it has one: the rest are -inf). A row whose prompt prefix
+came from the prefix cache has no features for that prefix: its drafter context starts after
+it. Positions need no offset for that (RoPE attention sees only distances, the same either
+way); it costs draft quality, never exactness (every draft is verified).
 """
 
 from __future__ import annotations

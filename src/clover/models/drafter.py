@@ -550,8 +550,10 @@ def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter = load_drafter(Path(drafter_file))
     if drafter.config.chain:
-        raise CloverError(f"{drafter_file}: a chain drafter (token by token) is not the DFlash "
-                          "layout the speculators format describes; only block drafters export")  # fmt: skip
+        raise CloverError(
+            f"{drafter_file}: a chain drafter (token by token) is not the DFlash layout the "
+            "speculators format describes; only block drafters export"
+        )
     state = {k: v.contiguous() for k, v in speculators_state(drafter).items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = speculators_config(drafter, verifier_architectures)
