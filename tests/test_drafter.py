@@ -290,6 +290,7 @@ def test_export_in_the_speculators_format(tmp_path):
     chain = save_drafter(drafter_for(tiny_model(), chain=True), tmp_path / "chain.safetensors")
     with pytest.raises(CloverError, match="only block drafters export"):
         export_speculators(chain, tmp_path / "chain-spec", ["LlamaForCausalLM"])
+    assert not (tmp_path / "chain-spec").exists()  # refused before anything is written
 
 
 def attached(model, **kw):

@@ -544,16 +544,16 @@ def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures
     """Write `out_dir/config.json` + `model.safetensors` in the speculators format."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise CloverError(f"{out_dir} is not empty (use --force to replace it)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     drafter = load_drafter(Path(drafter_file))
-    if drafter.config.chain:
+    if drafter.config.chain:  # refused before anything is written
         raise CloverError(
             f"{drafter_file}: a chain drafter (token by token) is not the DFlash layout the "
             "speculators format describes; only block drafters export"
         )
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise CloverError(f"{out_dir} is not empty (use --force to replace it)")
+    out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in speculators_state(drafter).items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = speculators_config(drafter, verifier_architectures)

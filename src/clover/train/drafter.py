@@ -7,8 +7,10 @@ will verify the drafts, so the drafter learns the features it will see). Blocks 
 answer positions p (the block is [token p, MASK x (B - 1)] over the context < p); the drafter's
 outputs at block positions i >= 1 are scored against the teacher at p + i: KL to its top-k
 distribution (`loss: kl`) or cross-entropy on its greedy token (`ce`), weighted
-exp(-(i - 1) / decay) so the first drafts, which decide acceptance, weigh most. Gradients reach
-the drafter only (the target's embedding table and LM head are frozen and shared).
+exp(-(i - 1) / decay) so the first drafts, which decide acceptance, weigh most. A chain drafter
+(`chain: true`) reads the answer's tokens p .. p + B - 2 at positions 1 .. B - 1 instead of
+[MASK] (teacher forcing; causal inside the block). Gradients reach the drafter only (the
+target's embedding table and LM head are frozen and shared).
 
 Held-out measure: the mean accepted length of greedy drafts (leading drafted tokens equal to
 the teacher's), on held-out prompts, and separately on held-out *kinds* (`heldout_kinds`: kinds
