@@ -112,7 +112,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           const __m512i v = _mm512_loadu_si512(base + 64 * c);
           __m512i lo = _mm512_and_si512(v, nib);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-            if (BITS == 5) add_high_bits(base, c, lo, hi);
+          if (BITS == 5) add_high_bits(base, c, lo, hi);
           for (int r = 0; r < MR; ++r)
             for (int pl = 0; pl < 2; ++pl) {
               const int8_t* xp = x + (2 * r + pl) * K + 8 * c;

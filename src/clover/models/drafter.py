@@ -255,16 +255,10 @@ class Drafter(nn.Module):
         width = width or self.config.block_size
         if self.config.chain:
             raise CloverError("a chain drafter drafts token by token (chain_hidden)")
-        B = first.shape[0]
         cache.prepare(width)
-        zeros = torch.zeros(B, dtype=torch.long)
+        zeros = torch.zeros(first.shape[0], dtype=torch.long)
         layout = cached_layout(zeros, torch.full_like(zeros, width), cache.lengths, width)
-        rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
-        h = self.block_inputs(first, embed, width)
-        for layer, lc in zip(self.layers, cache.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
-            h = layer.mlp_residual(h)
-        return self.norm(h)
+        return self._cached_pass(self.block_inputs(first, embed, width), layout, cache)
 
     def chain_hidden(self, ids: torch.Tensor, offset: int, embed: nn.Embedding,
                      cache: ModelCache) -> torch.Tensor:  # fmt: skip
@@ -274,13 +268,17 @@ class Drafter(nn.Module):
         positions before it, which earlier passes of the same draft wrote past the context
         (scratch slots: nothing is committed). A draft of k tokens is one pass over positions
         0 and 1, then one per further token."""
-        B, T = ids.shape
+        T = ids.shape[1]
         cache.prepare(offset + T)
         lengths = cache.lengths + offset
-        n = torch.full_like(lengths, T)
+        n = torch.full_like(lengths, T)  # "committed" tokens: causal queries (nothing advances)
         layout = cached_layout(n, torch.zeros_like(n), lengths, T)
+        return self._cached_pass(embed(ids).to(self.norm.weight.dtype), layout, cache)
+
+    def _cached_pass(self, h: torch.Tensor, layout: StepLayout, cache: ModelCache) -> torch.Tensor:
+        """h [B, T, D] block inputs -> final hidden [B, T, D]: every layer over the context in
+        `cache` under `layout` (its slots past the context are scratch), then the norm."""
         rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
-        h = embed(ids).to(self.norm.weight.dtype)
         for layer, lc in zip(self.layers, cache.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
             h = layer.mlp_residual(h)
