@@ -128,9 +128,9 @@ def test_chain_decode_path_equals_training_path():
         drafter.block_hidden(first, embed, cache)
 
 
-def test_chain_drafts_feed_each_greedy_draft_to_the_next_pass():
+def test_chain_drafts_feed_each_draft_to_the_next_pass():
     """DrafterRunner.draft with a chain drafter: position i's logits are the training pass's
-    with the greedy drafts before it as the block's tokens."""
+    with the drafts before it as the block's tokens: the greedy ones, or those `pick` chose."""
     from clover.decoding.drafting import DrafterRunner
 
     model = tiny_model()
@@ -150,6 +150,24 @@ def test_chain_drafts_feed_each_greedy_draft_to_the_next_pass():
         want = model.logits(h[:, 1:])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(runner.cache.lengths, torch.tensor([7]))
+    # a pick (what a sampling row does: its own draw) is what the next position reads
+    forced = torch.tensor([[9, 3, 14]])
+    seen = []
+
+    def pick(i, step_logits):
+        seen.append(i)
+        torch.testing.assert_close(step_logits, got[:, i])
+        return forced[:, i]
+
+    got = runner.draft(first, 4, pick=lambda i, lg: forced[:, i])
+    assert not torch.allclose(got[:, 1:], logits[:, 1:])  # not the greedy chain's
+    with torch.no_grad():
+        before = torch.cat([first[:, None], forced[:, :2]], 1)[:, None]
+        h = drafter.train_hidden(feats, torch.tensor([7]), first[:, None], torch.tensor([[7]]),
+                                 embed, before=before)[:, 0]  # fmt: skip
+    torch.testing.assert_close(got, model.logits(h[:, 1:]), rtol=1e-4, atol=1e-4)
+    runner.draft(first, 4, pick=pick)
+    assert seen == [0, 1, 2]  # every position's draft goes through it, the last one too
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -246,8 +246,10 @@ def test_warm_up_runs_every_kind_of_causal_pass():
     assert kinds == {"prefill", "step", "verify"}
 
 
-def test_speculative_sampling_has_the_ar_distribution():
-    """Lossless at temperature > 0: drafts drawn from the masked block's distribution q are
+@pytest.mark.parametrize("draft", ["mask", "chain drafter"])
+def test_speculative_sampling_has_the_ar_distribution(draft):
+    """Lossless at temperature > 0: drafts drawn from their distribution q (the masked
+    block's; a chain drafter's, each position conditioned on the draft drawn before it) are
     kept with probability min(1, p/q), the first refused one is redrawn from the residual.
     Over 3,000 seeds the answers' tokens 2 and 3 (the ones drafts are verified for) follow AR
     sampling's exact distribution, computed from the tiny model's probabilities: chi-square
@@ -258,9 +260,15 @@ def test_speculative_sampling_has_the_ar_distribution():
     prompt = [5, 9, 12, 5, 9]
     n = 3000
     policy = make_policy("self_spec", 3, draft="mask")
+    if draft == "chain drafter":
+        from tests.test_drafter import attached
+
+        model = attached(model, chain=True)
+        policy = SelfSpec(block_size=3, draft="drafter", adaptive=False)
+    source = draft.split()[-1]
     sampling = SamplingParams(temperature=1.0, seed=7)
     results, _ = run(model, [prompt] * n, policy, max_new=3, sampling=sampling)
-    assert sum(r.drafts.get("mask", [0, 0])[0] for r in results) >= n  # drafts were verified
+    assert sum(r.drafts.get(source, [0, 0])[0] for r in results) >= n  # drafts were verified
     mask_id, V = model.config.mask_token_id, model.config.vocab_size
 
     def probs(seqs):  # next-token distributions after each sequence, as AR sampling draws

@@ -17,10 +17,13 @@ way); it costs draft quality, never exactness (every draft is verified).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from clover.models.drafter import Drafter
+
+Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (position, logits [B, V]) -> ids [B]
 
 
 class DrafterRunner:
@@ -86,12 +89,14 @@ class DrafterRunner:
         with torch.inference_mode():
             self.drafter.commit(feats, n, self.cache)
 
-    def draft(self, first: torch.Tensor, width: int) -> torch.Tensor:
+    def draft(self, first: torch.Tensor, width: int, pick: Pick | None = None) -> torch.Tensor:
         """first [B] (each row's new certain token) -> draft logits [B, width - 1, V]: for
         positions 1 .. width - 1 after it (rows that want no draft ignore theirs). A chain
-        drafter takes width - 1 passes, each reading the previous position's greedy draft
-        (sampled rows draw their drafts from these logits all the same: each position's
-        distribution is fixed before the draws, so speculative sampling stays exact)."""
+        drafter takes width - 1 passes, each reading the token drafted at the position before:
+        `pick(i, logits [B, V])` -> ids [B] chooses the draft at position i + 1 from its
+        logits (default: the arg-max; a sampling row draws it, so the next position's
+        distribution is conditioned on the draft it will be verified with). A block drafter
+        ignores `pick`: its positions do not read each other."""
         embed = self.model.model.embed_tokens
         with torch.inference_mode():
             if not self.drafter.config.chain:
@@ -99,11 +104,12 @@ class DrafterRunner:
                 return self._logits(h[:, 1:])
             steps = []
             ids, offset = torch.stack([first, first], 1), 0  # positions 0 and 1 read `first`
-            for _ in range(width - 1):
+            for i in range(width - 1):
                 h = self.drafter.chain_hidden(ids, offset, embed, self.cache)
                 steps.append(self._logits(h[:, -1:]))
                 offset += ids.shape[1]
-                ids = steps[-1][:, 0].argmax(-1, keepdim=True)  # [B, 1]: the next one reads it
+                last = steps[-1][:, 0]  # the next pass reads its draft (`pick` sees them all)
+                ids = (last.argmax(-1) if pick is None else pick(i, last))[:, None]  # [B, 1]
             return torch.cat(steps, 1)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

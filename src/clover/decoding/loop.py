@@ -32,7 +32,7 @@ from clover.decoding.costs import PassCosts, model_costs, relax_shared
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
-from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
+from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, draw_drafts, first_eos
 from clover.decoding.sampling import SamplingParams, sample
 from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
@@ -506,13 +506,30 @@ class BatchDecoder:
         if max(lengths) == 0:
             return
         first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
+        mask_id = self.config.mask_token_id
+        picked: list[torch.Tensor] = []
+
+        def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
+            """A chain drafter's draft at position i + 1 of every row (logits [B, V]): the
+            arg-max, or a sampling row's draw from the distribution it will be verified
+            against, so its later positions read the token it will really propose."""
+            if mask_id is not None:
+                logits[:, mask_id] = float("-inf")
+            ids = logits.argmax(-1)
+            for b, (r, n) in enumerate(zip(self.active, lengths)):
+                if i < n and not r.sampling.greedy:
+                    ids[b] = draw_drafts(logits[b : b + 1], r.sampling, r.gen)[0][0]
+            picked.append(ids)
+            return ids
+
         with torch.inference_mode():
-            logits = self.drafting.draft(first, max(lengths) + 1)  # [B, w - 1, V]
-            if self.config.mask_token_id is not None:
-                logits[..., self.config.mask_token_id] = float("-inf")
-            for r, n, row_logits in zip(self.active, lengths, logits):
+            logits = self.drafting.draft(first, max(lengths) + 1, pick)  # [B, w - 1, V]
+            if mask_id is not None:
+                logits[..., mask_id] = float("-inf")
+            chosen = torch.stack(picked, 1).tolist() if picked else None  # a chain drafter's
+            for b, (r, n, row_logits) in enumerate(zip(self.active, lengths, logits)):
                 if n:
-                    r.take_drafts(row_logits[:n], r.sampling)
+                    r.take_drafts(row_logits[:n], r.sampling, chosen[b][:n] if chosen else None)
 
 
 def generate(

@@ -316,14 +316,20 @@ class NgramIndex:
 
 
 def draw_drafts(
-    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    gen: torch.Generator,
+    chosen: list[int] | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
     """A draft from its logits [n, V]: the arg-max (greedy decoding; no distribution kept),
     else a draw from the same filtered distribution the target samples from, kept as q for
-    speculative sampling."""
+    speculative sampling. `chosen`: the draft already drawn from these logits (a chain
+    drafter draws each position before computing the next); only q is made."""
     if sampling.greedy or logits.shape[0] == 0:
-        return logits.argmax(-1).tolist(), None
+        return (chosen if chosen is not None else logits.argmax(-1).tolist()), None
     q = filtered_probs(logits.float(), sampling)
+    if chosen is not None:
+        return chosen, q
     return torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist(), q
 
 
@@ -420,9 +426,11 @@ class SpecRow(Row):
             return most
         return best_length(self.acceptance["drafter"].p, self.costs, most, drafter=True)
 
-    def take_drafts(self, logits: torch.Tensor, sampling: SamplingParams) -> None:
-        """The drafter's logits [k, V] for the next k positions -> this row's next draft."""
-        self.draft, self.draft_q = draw_drafts(logits, sampling, self.gen)
+    def take_drafts(self, logits: torch.Tensor, sampling: SamplingParams,
+                    chosen: list[int] | None = None) -> None:  # fmt: skip
+        """The drafter's logits [k, V] for the next k positions -> this row's next draft
+        (`chosen`: already drawn from them, by a chain drafter)."""
+        self.draft, self.draft_q = draw_drafts(logits, sampling, self.gen, chosen)
 
     def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
         """[certain | draft to verify | masked block (draft="mask*" only)]."""
