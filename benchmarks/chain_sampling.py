@@ -100,7 +100,7 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args()
     llm = LLM(a.model, dtype=a.dtype, drafter=a.drafter, progress=False)
-    if not llm.drafter.config.chain:
+    if not llm.model.drafter.config.chain:
         raise CloverError(f"{a.drafter} is a block drafter: its positions read no drafts")
     suite = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()]
     prompts = [llm.chat_prompt([{"role": "user", "content": it["prompt"]}])
