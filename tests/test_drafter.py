@@ -380,9 +380,9 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
     taken, verified = [0], [0]
     take, update = rows.SpecRow.take_drafts, rows.SpecRow.update
 
-    def counting_take(self, logits, sampling, chosen=None):
+    def counting_take(self, logits, sampling, drawn=None):
         taken[0] += 1
-        return take(self, logits, sampling, chosen)
+        return take(self, logits, sampling, drawn)
 
     def counting_update(self, logits, sampling, eos, *sampled):
         if self.draft and not self._from_context and not self.refining:

@@ -507,18 +507,22 @@ class BatchDecoder:
             return
         first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
         mask_id = self.config.mask_token_id
-        picked: list[torch.Tensor] = []
+        picked: list[torch.Tensor] = []  # a chain drafter's drafts, position by position
+        qs: list[list[torch.Tensor]] = [[] for _ in lengths]  # a sampling row's q, [1, V] each
 
         def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
             """A chain drafter's draft at position i + 1 of every row (logits [B, V]): the
             arg-max, or a sampling row's draw from the distribution it will be verified
-            against, so its later positions read the token it will really propose."""
+            against (kept as its q), so its later positions read the token it will really
+            propose."""
             if mask_id is not None:
                 logits[:, mask_id] = float("-inf")
             ids = logits.argmax(-1)
             for b, (r, n) in enumerate(zip(self.active, lengths)):
                 if i < n and not r.sampling.greedy:
-                    ids[b] = draw_drafts(logits[b : b + 1], r.sampling, r.gen)[0][0]
+                    drawn, q = draw_drafts(logits[b : b + 1], r.sampling, r.gen)
+                    ids[b] = drawn[0]
+                    qs[b].append(q)
             picked.append(ids)
             return ids
 
@@ -526,10 +530,12 @@ class BatchDecoder:
             logits = self.drafting.draft(first, max(lengths) + 1, pick)  # [B, w - 1, V]
             if mask_id is not None:
                 logits[..., mask_id] = float("-inf")
-            chosen = torch.stack(picked, 1).tolist() if picked else None  # a chain drafter's
+            chosen = torch.stack(picked, 1).tolist() if picked else None
             for b, (r, n, row_logits) in enumerate(zip(self.active, lengths, logits)):
                 if n:
-                    r.take_drafts(row_logits[:n], r.sampling, chosen[b][:n] if chosen else None)
+                    drawn = None if chosen is None else (
+                        chosen[b][:n], torch.cat(qs[b]) if qs[b] else None)  # fmt: skip
+                    r.take_drafts(row_logits[:n], r.sampling, drawn)
 
 
 def generate(

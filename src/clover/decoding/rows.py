@@ -316,20 +316,14 @@ class NgramIndex:
 
 
 def draw_drafts(
-    logits: torch.Tensor,
-    sampling: SamplingParams,
-    gen: torch.Generator,
-    chosen: list[int] | None = None,
+    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
 ) -> tuple[list[int], torch.Tensor | None]:
     """A draft from its logits [n, V]: the arg-max (greedy decoding; no distribution kept),
     else a draw from the same filtered distribution the target samples from, kept as q for
-    speculative sampling. `chosen`: the draft already drawn from these logits (a chain
-    drafter draws each position before computing the next); only q is made."""
+    speculative sampling."""
     if sampling.greedy or logits.shape[0] == 0:
-        return (chosen if chosen is not None else logits.argmax(-1).tolist()), None
+        return logits.argmax(-1).tolist(), None
     q = filtered_probs(logits.float(), sampling)
-    if chosen is not None:
-        return chosen, q
     return torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist(), q
 
 
@@ -426,11 +420,17 @@ class SpecRow(Row):
             return most
         return best_length(self.acceptance["drafter"].p, self.costs, most, drafter=True)
 
-    def take_drafts(self, logits: torch.Tensor, sampling: SamplingParams,
-                    chosen: list[int] | None = None) -> None:  # fmt: skip
+    def take_drafts(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        drawn: tuple[list[int], torch.Tensor | None] | None = None,
+    ) -> None:
         """The drafter's logits [k, V] for the next k positions -> this row's next draft
-        (`chosen`: already drawn from them, by a chain drafter)."""
-        self.draft, self.draft_q = draw_drafts(logits, sampling, self.gen, chosen)
+        (`drawn`: the draft and its q already drawn from them, by a chain drafter)."""
+        self.draft, self.draft_q = (
+            drawn if drawn is not None else draw_drafts(logits, sampling, self.gen)
+        )
 
     def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
         """[certain | draft to verify | masked block (draft="mask*" only)]."""
