@@ -685,10 +685,13 @@ def test_draft_vocabulary_takes_the_answers_tokens_then_the_lowest_ids():
         DrafterTrainConfig(target="t", data="d", out="o", draft_vocab=100)
 
 
+@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("head", [None, "int4", "int8"])
-def test_a_draft_vocabulary_drafts_only_from_it(head, tmp_path):
+def test_a_draft_vocabulary_drafts_only_from_it(head, chain, tmp_path):
     """With a draft vocabulary the drafter's logits are the whole head's for those ids (the
-    quantized head's own levels, not rounded again) and -inf elsewhere; the file keeps it."""
+    quantized head's own levels, not rounded again) and -inf elsewhere; the file keeps it. A
+    chain drafter's positions (written in place, position by position) too, both runners fed
+    the same drafts."""
     from clover import kernels
     from clover.decoding.drafting import DrafterRunner
     from clover.quant import quantize_model
@@ -698,7 +701,7 @@ def test_a_draft_vocabulary_drafts_only_from_it(head, tmp_path):
     model = tiny_model()
     if head:
         quantize_model(model, "int4", head=head)
-    drafter = drafter_for(model)
+    drafter = drafter_for(model, chain=chain)
     vocab = torch.arange(1, 64, 2)  # 32 ids
     drafter.set_vocab(vocab)
     path = save_drafter(drafter, tmp_path / "d.safetensors", dtype=torch.float32)
@@ -711,7 +714,9 @@ def test_a_draft_vocabulary_drafts_only_from_it(head, tmp_path):
     for r in (full, part):
         r.add_row()
         r.commit(feats, torch.tensor([6]))
-    a, b = full.draft(torch.tensor([5]), 4), part.draft(torch.tensor([5]), 4)
+    forced = torch.tensor([[7, 3, 11]])
+    pick = lambda i, lg: forced[:, i]  # noqa: E731
+    a, b = full.draft(torch.tensor([5]), 4, pick), part.draft(torch.tensor([5]), 4, pick)
     others = torch.ones(64, dtype=torch.bool)
     others[vocab] = False
     assert bool(torch.isinf(b[..., others]).all())

@@ -102,22 +102,27 @@ class DrafterRunner:
             if not self.drafter.config.chain:
                 h = self.drafter.block_hidden(first, embed, self.cache, width)
                 return self._logits(h[:, 1:])
-            steps = []
+            # each position's logits are written in place (a cat of the steps copied ~9 MB a
+            # row at width 16 on a 152K vocabulary: ~2 ms of a ~20 ms chain here)
+            shape = (len(first), width - 1, self.drafter.config.vocab_size)
+            out = torch.empty(shape, device=embed.weight.device)  # float32, as logits are
             ids, offset = torch.stack([first, first], 1), 0  # positions 0 and 1 read `first`
             for i in range(width - 1):
                 h = self.drafter.chain_hidden(ids, offset, embed, self.cache)
-                steps.append(self._logits(h[:, -1:]))
+                last = self._logits(h[:, -1:], out[:, i : i + 1])[:, 0]
                 offset += ids.shape[1]
-                last = steps[-1][:, 0]  # the next pass reads its draft (`pick` sees them all)
+                # the next pass reads its draft (`pick` sees them all)
                 ids = (last.argmax(-1) if pick is None else pick(i, last))[:, None]  # [B, 1]
-            return torch.cat(steps, 1)
+            return out
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """final hidden [B, n, D] -> logits [B, n, V] (the draft vocabulary's, every other
-        token at -inf: never drafted)."""
+        token at -inf: never drafted), in `out` when given."""
         h = h.to(self.model.model.embed_tokens.weight.dtype)
         if self.head is None:
-            return self.model.logits(h)
+            logits = self.model.logits(h)
+            return logits if out is None else out.copy_(logits)
         part = self.head(h).float()  # [B, n, k]
-        out = part.new_full((*part.shape[:2], self.drafter.config.vocab_size), float("-inf"))
-        return out.scatter_(-1, self.vocab.expand_as(part), part)
+        shape = (*part.shape[:2], self.drafter.config.vocab_size)
+        out = part.new_empty(shape) if out is None else out
+        return out.fill_(float("-inf")).scatter_(-1, self.vocab.expand_as(part), part)
