@@ -420,7 +420,7 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
     stats = distill(
         a.model, a.out, a.prompts, max_tokens=a.max_tokens, batch_size=a.batch_size,
         top_k=a.top_k, seed=a.seed, dtype=a.dtype, device=a.device, max_minutes=a.max_minutes,
-        skip=[Path(d) for d in a.skip],
+        skip=[Path(d) for d in a.skip], self_prompts=a.self_prompts,
     )  # fmt: skip
     print(json.dumps(stats))
     return 0
@@ -626,6 +626,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="another distilled directory to train beside this one: its prompts are not "
         "answered again (repeatable)",
+    )
+    d.add_argument(
+        "--self-prompts",
+        action="store_true",
+        help="the model writes the prompts itself (sampled user turns, more varied than the "
+        "templates; kept in OUT/self_prompts.jsonl) and then answers them",
     )
     d.set_defaults(func=cmd_data_distill)
     tr = sub.add_parser("train", help="adaptation").add_subparsers(dest="train", required=True)

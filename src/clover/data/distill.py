@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from clover.data.prompts import PROMPT_SET_VERSION, prompt_set
+from clover.data.self_prompts import VERSION as SELF_VERSION
+from clover.data.self_prompts import self_prompt_set
 from clover.errors import CloverError
 
 
@@ -83,13 +85,16 @@ def distill(
     device: str = "cpu",
     max_minutes: float | None = None,
     skip: list[Path] | tuple = (),
+    self_prompts: bool = False,
     progress: bool = True,
 ) -> dict:
     """Distil `n_prompts` prompts (resumable); returns counts. `device` "cuda" runs the teacher
     on a GPU (dtype auto -> float32 there: the GGUF's levels, unrounded); `max_minutes` stops
     once that much time has passed, after the answers in flight (a rerun continues). `skip`:
     other distilled directories (of this teacher) to train beside this one: prompts they
-    already answered are not answered again (a new prompt-set version repeats many of them)."""
+    already answered are not answered again (a new prompt-set version repeats many of them).
+    `self_prompts`: the teacher writes the prompts itself (`self_prompts.py`, kept in the
+    output directory) instead of the templates; `max_minutes` covers both stages."""
     from clover.checkpoints import resolve_device
     from clover.decoding.loop import BatchDecoder
     from clover.engine import LLM, GenerationSettings
@@ -112,14 +117,13 @@ def distill(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "distill.jsonl"
     _truncate_torn_tail(path)
-    prompts = [p for p in prompt_set(n_prompts, seed) if p["id"] not in elsewhere]
     done = done_ids(path)
-    todo = [p for p in prompts if p["id"] not in done]
     llm = LLM(model, dtype=dtype, progress=progress, device=str(dev))
     for other in skip:  # another teacher's answers are no reason to leave a prompt out
         teacher = (read_meta(Path(other)) or {}).get("teacher")
         if teacher != llm.name:
             raise CloverError(f"--skip {other} holds answers of {teacher!r}, not of {llm.name!r}")
+    t0 = time.perf_counter()
     meta = {
         "teacher": llm.name,
         "dtype": llm.dtype,
@@ -129,11 +133,21 @@ def distill(
         "top_k": top_k,
         "decoder": "ar (greedy)",
         "device": str(dev),
-        "prompt_set": PROMPT_SET_VERSION,
+        "prompt_set": f"self-{SELF_VERSION}" if self_prompts else PROMPT_SET_VERSION,
         "answered_elsewhere": sorted(str(d) for d in skip),  # --skip: not part of the check
     }
     _check_meta(out_dir, meta, done)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if self_prompts:
+        with _on(dev):
+            made = self_prompt_set(llm, n_prompts, out_dir, seed=seed, batch_size=batch_size,
+                                   max_minutes=max_minutes, progress=progress)  # fmt: skip
+        if max_minutes is not None:
+            max_minutes = max(max_minutes - (time.perf_counter() - t0) / 60, 1e-9)
+    else:
+        made = prompt_set(n_prompts, seed)
+    prompts = [p for p in made if p["id"] not in elsewhere]
+    todo = [p for p in prompts if p["id"] not in done]
     eos = llm.tokenizer.eos_token_id
     s = llm.default_settings(GenerationSettings(decoder="ar", max_tokens=max_tokens))
     bar = None
@@ -144,10 +158,7 @@ def distill(
                    unit="prompt")  # fmt: skip
     t0, tokens, written, too_long = time.perf_counter(), 0, 0, 0
     context = llm.model.context_length
-    # on a GPU every tensor the engine makes must land there: factories default to `dev` (on
-    # the CPU that mode only costs: it intercepts every torch call, ~20 per row and step)
-    on_device = torch.device(dev) if dev.type != "cpu" else contextlib.nullcontext()
-    with open(path, "a", encoding="utf-8") as f, on_device:
+    with open(path, "a", encoding="utf-8") as f, _on(dev):
         batch = BatchDecoder(llm.model)
         running: dict[int, tuple] = {}  # row index -> (prompt, its ids, its row, top-k by index)
         seen: list[tuple[int, torch.Tensor, list]] = []  # this step's rows' logits
@@ -230,6 +241,12 @@ def distill(
             "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
+def _on(dev: torch.device) -> contextlib.AbstractContextManager:
+    """On a GPU every tensor the engine makes must land there: factories default to `dev` (on
+    the CPU that mode only costs: it intercepts every torch call, ~20 per row and step)."""
+    return torch.device(dev) if dev.type != "cpu" else contextlib.nullcontext()
+
+
 def read_meta(out_dir: Path) -> dict | None:
     """A distilled directory's meta.json, or None; one written before the prompt-set version
     was recorded is version 1."""
@@ -276,7 +293,8 @@ def load_examples(path: Path, split: str | None = None) -> list[dict]:
     if not path.exists():
         raise CloverError(f"no distillation data at {path}: run `clover data distill` first")
     meta = read_meta(path.parent)
-    if meta is not None and meta["prompt_set"] < 2:  # set 2 on is kept clear of the suite
+    old = meta is not None and isinstance(meta["prompt_set"], int) and meta["prompt_set"] < 2
+    if old:  # set 2 on (and self-written prompts) is kept clear of the suite
         warnings.warn(
             f"{path.parent} was distilled from prompt set {meta['prompt_set']}, which holds "
             "quality-suite questions: acceptance measured on the suite after training on it "

@@ -655,6 +655,11 @@ def prompt_id(messages: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def split_of(pid: str, heldout: float = 0.05) -> str:
+    """ "heldout" for a fixed fraction of ids (a function of the id alone), else "train"."""
+    return "heldout" if int(pid, 16) % 10_000 < heldout * 10_000 else "train"
+
+
 def prompt_set(n: int, seed: int = 0, heldout: float = 0.05) -> list[dict]:
     """n distinct prompts: [{"id", "kind", "split": "train"|"heldout", "messages"}].
 
@@ -671,6 +676,6 @@ def prompt_set(n: int, seed: int = 0, heldout: float = 0.05) -> list[dict]:
         if pid in seen:
             continue
         seen.add(pid)
-        split = "heldout" if int(pid, 16) % 10_000 < heldout * 10_000 else "train"
-        out.append({"id": pid, "kind": kind, "split": split, "messages": messages})
+        out.append({"id": pid, "kind": kind, "split": split_of(pid, heldout),
+                    "messages": messages})  # fmt: skip
     return out
