@@ -18,30 +18,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from clover.data.distill import load_examples
 from clover.engine import LLM
 from clover.models.drafter import load_drafter, read_drafter_config
-from clover.train.drafter import DrafterTrainConfig, FeatureCache, evaluate, head_weight
-
-MAX_LEN = 448  # the configs' max_len: longer prompts are left out of training and of this
+from clover.train.drafter import DrafterTrainConfig, FeatureCache, evaluate, load_sets, loss_head
 
 
-def groups(data: list[str], unseen: set[str], limit: int) -> dict[str, list[dict]]:
-    """Held-out records by group; the `unseen` kinds' records of either split (training leaves
-    those kinds out whole)."""
-    out: dict[str, list[dict]] = {"trained kinds": [], "kinds never trained on": [], "self": []}
-    for d in data:
-        for r in load_examples(Path(d)):
-            if not r["answer_ids"] or len(r["prompt_ids"]) + 2 > MAX_LEN:  # as the trainer
-                continue
-            if r["kind"] in unseen:
-                out["kinds never trained on"].append(r)
-            elif r.get("split") == "heldout":
-                out["self" if r["kind"] == "self" else "trained kinds"].append(r)
+def groups(cfg: DrafterTrainConfig, limit: int) -> dict[str, list[dict]]:
+    """The trainer's held-out sets (its filters; `heldout_kinds` of either split, as training
+    leaves those kinds out whole), the self-written prompts apart; the first `limit` of each."""
+    _, heldout, unseen = load_sets(replace(cfg, eval_examples=10**9))
+    out = {"trained kinds": [r for r in heldout if r["kind"] != "self"],
+           "kinds never trained on": unseen,
+           "self": [r for r in heldout if r["kind"] == "self"]}  # fmt: skip
     return {g: rs[:limit] for g, rs in out.items() if rs}
 
 
@@ -58,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     if len({c.target for c in configs}) != 1:
         raise SystemExit("the drafters are of different targets")
     c0 = configs[0]
-    sets = groups(a.data, set(filter(None, a.unseen.split(","))), a.limit)
+    base = DrafterTrainConfig(target=c0.target, data=a.data, out="", blocks_per_sequence=8,
+                              batch_size=8, max_len=448, loss_vocab="draft",
+                              heldout_kinds=[k for k in a.unseen.split(",") if k])  # fmt: skip
+    sets = groups(base, a.limit)
     llm = LLM(c0.target, dtype=a.dtype, progress=False)
     target = llm.model
     caches: dict[tuple, FeatureCache] = {}  # features by the layers they are taken from
@@ -67,14 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                     "records": {g: len(rs) for g, rs in sets.items()}, "drafters": {}}  # fmt: skip
     for path, c in zip(a.drafter, configs):
         drafter = load_drafter(Path(path), target).float()
-        cfg = DrafterTrainConfig(target=c.target, data=a.data, out="", block_size=c.block_size,
-                                 chain=c.chain, blocks_per_sequence=8, batch_size=8,
-                                 max_len=MAX_LEN, loss_vocab="draft")  # fmt: skip
+        cfg = replace(base, block_size=c.block_size, chain=c.chain)
         cache = caches.setdefault(tuple(c.feature_layers), FeatureCache(8.0))
-        head, rows = head_weight(target), None
-        if drafter.vocab is not None:
-            rows = drafter.vocab
-            head = head.index_select(0, rows).contiguous()
+        head, rows = loss_head(target, drafter, cfg)
         row = {g: evaluate(drafter, target, head, rs, cfg, rows, cache) for g, rs in sets.items()}
         result["drafters"][path] = row
         print(path, json.dumps(row), flush=True)

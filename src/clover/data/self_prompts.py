@@ -181,8 +181,8 @@ def self_prompt_set(llm: object, n: int, out_dir: Path, *, seed: int = 0,
                     body = llm.tokenizer.decode(list(row.result.tokens))
                     text = (start + body).strip()
                     finished = row.result.finish_reason == "stop"
-                    if not finished and salvage(text):
-                        text, finished = salvage(text), True
+                    if not finished and (cut := salvage(text)):
+                        text, finished = cut, True
                     why = dropped(text, finished, seen, banned)
                     if why is None:
                         seen.add(_norm(text))
@@ -196,6 +196,7 @@ def self_prompt_set(llm: object, n: int, out_dir: Path, *, seed: int = 0,
                         records.extend(to_records([a]))
                         if a["text"] and bar is not None:
                             bar.update(1)
+                if event.finished:  # once a step: the attempts it finished
                     f.flush()
                     os.fsync(f.fileno())
     finally:

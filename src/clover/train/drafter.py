@@ -326,6 +326,17 @@ def head_weight(target: torch.nn.Module) -> torch.Tensor:
     return weight.to(torch.bfloat16 if bf16_fast(weight.device) else torch.float32)
 
 
+def loss_head(target: torch.nn.Module, drafter: object,
+              cfg: DrafterTrainConfig) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(the head the loss and the evaluation score with, the draft vocabulary's ids or None):
+    with `loss_vocab: draft` and a draft vocabulary, only the head's rows it drafts from."""
+    head, rows = head_weight(target), None
+    if cfg.loss_vocab == "draft" and drafter.vocab is not None:
+        rows = drafter.vocab.to(head.device)
+        head = head.index_select(0, rows).contiguous()
+    return head, rows
+
+
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
                  cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict]:  # fmt: skip
@@ -495,10 +506,7 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     ckpt = out / "checkpoint" / "state.pt"
     if cfg.init.endswith(".safetensors"):  # its draft vocabulary in a resumed run too (a
         start_from_file(drafter, target, Path(cfg.init))  # checkpoint's weights replace its own)
-    head, rows = head_weight(target), None
-    if cfg.loss_vocab == "draft" and drafter.vocab is not None:  # the head's rows it drafts from
-        rows = drafter.vocab.to(head.device)
-        head = head.index_select(0, rows).contiguous()
+    head, rows = loss_head(target, drafter, cfg)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     step, order, elapsed = 0, [], 0.0
