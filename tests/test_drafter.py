@@ -945,3 +945,37 @@ def test_store_guesses_give_way_to_a_drafter_that_pays_more():
     assert row._lookup() == [] and row.drafter_length() > 0
     row._append([5, 9, 40])  # now the row's own text continues 9 40 with 41: lookup wins
     assert row._lookup()[:1] == [41] and row._source == "lookup" and row.drafter_length() == 0
+
+
+def test_tree_replay_of_a_chain_counts_the_decoder_s_passes():
+    """benchmarks/drafter_tree.py: the teacher-forced rank paths of a chain drafter over the
+    answers, replayed with the chain's tree, give the passes and the drafts kept per pass of
+    the real `:fixed` decode (the last pass apart: the decoder drafts no further than the
+    token budget); trees are prefix-closed, "leaves" trees branch only off the arg-max chain,
+    and a draft is kept as far as its rank path stays in the tree."""
+    from clover.decoding.policies import SelfSpec
+    from tests.conftest import load_benchmark
+
+    mod = load_benchmark("drafter_tree")
+    model = attached(tiny_model(seed=3), chain=True)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    spec = decoded(model, prompts, SelfSpec(block_size=4, draft="drafter", adaptive=False), 24)
+    kept_any = 0
+    for prompt, r in zip(prompts, spec):
+        rec = {"id": "x", "prompt_ids": prompt, "answer_ids": list(r.tokens)}
+        paths = mod.rank_paths(model.drafter, model, model.head_weight(), None, rec)
+        assert len(paths) == len(r.tokens) - 1 and all(len(p) <= 3 for p in paths)
+        passes, hist = mod.replay(paths, mod.chain(3))
+        assert passes == r.nfe
+        assert hist[: len(r.accepted) - 1] == r.accepted[:-1]  # a last pass may draft none
+        kept_any += sum(r.accepted)
+    assert kept_any >= 10  # the looping tiny model makes the random drafter right often
+
+    paths = [(0, 0, 1), (0, 1, 0), (1, 0), (0, 0, 0), (2,), (0, 3)]
+    assert mod.kept((0, 1, 0), mod.chain(3)) == 1 and mod.kept((1, 0), mod.chain(3)) == 0
+    tree = mod.build_tree(paths, 5)
+    assert all(p[:-1] in tree for p in tree if len(p) > 1) and len(tree) == 5
+    assert (0,) in tree and (0, 0) in tree and mod.kept((0, 0, 2), tree) == 2
+    leaves = mod.build_tree(paths, 8, leaves=True)
+    assert (1,) in leaves and (1, 0) not in leaves and (0, 1) in leaves
+    assert (0, 1, 0) not in leaves and (0, 0, 1) in leaves

@@ -1,0 +1,218 @@
+"""What tree-shaped drafts would buy: the quality suite's `:fixed` passes replayed with a
+drafter's drafts as a chain and as trees of the same and larger sizes.
+
+Usage: python benchmarks/drafter_tree.py --drafter runs/drafter-smol-2h/drafter.safetensors \
+           [--limit 64] [--nodes 15,31,63] [--dtype int4] [--out benchmarks/results/....json]
+
+Self-speculation with greedy verification is exact, so its passes can be replayed over the
+target's own greedy (`ar`) answers: a pass that starts after the answer's first c tokens keeps
+the longest drafted path the answer follows, then the target's next token. The chain drafter
+is run teacher-forced over each answer (the trainer's `train_hidden`): at every start c and
+depth j it gives the logits of the token c + j - 1 under the answer's own tokens before it,
+and the rank of the answer's token there. A tree of drafts is a set of rank paths (Medusa's
+"tree choices"): the path (0, 2) drafts the second-best token after the best one. Its branch
+that follows the answer's tokens sees exactly the teacher-forced logits, so the answer's rank
+path at c tells how far any tree would be kept: the longest prefix of it in the tree. The
+chain is the tree {(0,), (0, 0), ...}. Trees of N nodes are built from the rank paths of the
+other half of the items (two folds by item parity: no item picks its own tree), most frequent
+prefixes first (each prefix's frequency is what its node adds to the expected length).
+
+Counted as `clover bench quality` counts: output tokens (EOS excluded) / target passes
+(prefill included). A tree of N nodes verifies N + 1 positions a pass (its attention mask
+follows the tree); the tokens/s it buys is the pass-cost question (`clover bench passes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from clover.bench.quality import load_suite
+from clover.engine import LLM, GenerationSettings
+from clover.models.drafter import load_drafter, read_drafter_config
+from clover.train.drafter import DrafterTrainConfig, loss_head, target_features
+
+NEVER = 10**6  # the rank of a token outside the draft vocabulary
+
+
+def answers(llm: LLM, items: list[dict], max_tokens: int) -> list[dict]:
+    """The target's greedy answers, one prompt at a time (as the quality bench's batch-1 runs),
+    each with its EOS when it stopped on one."""
+    eos = llm.eos_token_ids
+    out = []
+    for it in items:
+        prompt = llm.chat_prompt([{"role": "user", "content": it["prompt"]}])
+        done: list = []
+        settings = GenerationSettings(decoder="ar", max_tokens=max_tokens)
+        for _ in llm.stream([prompt], settings, done, cached=False):
+            pass
+        ids = list(done[0].token_ids)
+        if done[0].finish_reason == "stop" and eos:
+            ids.append(eos[0])
+        out.append({"id": it["id"], "kind": it["kind"], "prompt_ids": prompt, "answer_ids": ids,
+                    "output_tokens": done[0].output_tokens})  # fmt: skip
+    return out
+
+
+def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
+               rows: torch.Tensor | None, rec: dict, chunk: int = 32) -> list[tuple]:  # fmt: skip
+    """Per start c = 1 .. n - 1 of the answer (n tokens, EOS included): the ranks of the
+    answer's tokens c .. c + B - 2 among the drafter's logits, teacher-forced, cut at the
+    answer's end."""
+    B = drafter.config.block_size
+    P, n = len(rec["prompt_ids"]), len(rec["answer_ids"])
+    feats, lengths, ids = target_features(target, [rec], drafter.config.feature_layers, 10**9)
+    index = None  # token id -> row of `head`
+    if rows is not None:
+        index = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+        index[rows.cpu()] = torch.arange(len(rows))
+    mask = target.config.mask_token_id  # as the decoding loop: the target's
+    if mask is not None and index is not None:
+        mask = int(index[mask]) if int(index[mask]) >= 0 else None
+    paths: list[tuple[int, ...]] = []
+    for lo in range(1, n, chunk):
+        cs = torch.arange(lo, min(n, lo + chunk))
+        starts = (P + cs - 1)[None]  # the block's first token: the answer's token c - 1
+        first = ids.gather(1, starts)
+        before = None
+        if drafter.config.chain:
+            at = starts[..., None] + torch.arange(B - 1)
+            before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(1, -1)).reshape(at.shape)
+        with torch.no_grad():
+            h = drafter.train_hidden(feats, lengths, first, starts, target.model.embed_tokens, B,
+                                     before)  # fmt: skip
+            logits = F.linear(h[0, :, 1:].to(head.dtype), head).float()  # [S, B-1, V']
+        if mask is not None:  # never drafted (the decoder's drafts skip it too)
+            logits[..., mask] = float("-inf")
+        pos = starts[0][:, None] + torch.arange(1, B)  # [S, B-1]
+        labels = ids[0].gather(0, pos.clamp(max=ids.shape[1] - 1).reshape(-1)).reshape(pos.shape)
+        at = labels if index is None else index[labels]
+        mine = logits.gather(-1, at.clamp(min=0)[..., None])
+        rank = (logits > mine).sum(-1)
+        rank = torch.where(at >= 0, rank, NEVER)
+        for s, c in enumerate(cs.tolist()):
+            depth = min(B - 1, n - c)  # tokens c .. n - 1 remain
+            paths.append(tuple(rank[s, :depth].tolist()))
+    return paths
+
+
+def kept(path: tuple[int, ...], tree: set[tuple[int, ...]]) -> int:
+    m = 0
+    while m < len(path) and path[: m + 1] in tree:
+        m += 1
+    return m
+
+
+def replay(paths: list[tuple[int, ...]], tree: set[tuple[int, ...]]) -> tuple[int, list[int]]:
+    """-> (target passes, drafts kept per verify pass) of one answer (its paths by start)."""
+    n = len(paths) + 1
+    passes, c, hist = 1, 1, []  # the prefill gives token 0
+    while c < n:
+        m = kept(paths[c - 1], tree)
+        hist.append(m)
+        passes += 1
+        c += m + 1
+    return passes, hist
+
+
+def build_tree(paths: list[tuple[int, ...]], nodes: int, widest: int = 8,
+               leaves: bool = False) -> set:  # fmt: skip
+    """The `nodes` most frequent rank prefixes (ranks below `widest`), prefix-closed.
+    `leaves`: only the arg-max chain has children (every other draft is a leaf: a chain
+    drafter's pass per depth drafts them all, no pass of its own per branch)."""
+    freq: Counter = Counter()
+    for p in paths:
+        for d in range(1, len(p) + 1):
+            if p[d - 1] >= widest or (leaves and d > 1 and p[d - 2] != 0):
+                break
+            freq[p[:d]] += 1
+    tree: set = set()
+    for prefix, _ in sorted(freq.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0])):
+        if len(tree) == nodes:
+            break
+        if len(prefix) == 1 or prefix[:-1] in tree:
+            tree.add(prefix)
+    return tree
+
+
+def chain(length: int) -> set:
+    return {(0,) * d for d in range(1, length + 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--dtype", default="int4", help="the target's precision (int4)")
+    ap.add_argument("--limit", type=int, default=64, help="suite items (the first of each kind)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--nodes", default="1,2,3,4,7,15,31,63", help="draft sizes to compare")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    dc = read_drafter_config(Path(a.drafter))
+    llm = LLM(dc.target, dtype=a.dtype, progress=False)
+    target = llm.model
+    drafter = load_drafter(Path(a.drafter), target).float().eval()
+    cfg = DrafterTrainConfig(target=dc.target, data=[], out="", loss_vocab="draft")
+    head, rows = loss_head(target, drafter, cfg)
+    items = load_suite(limit=a.limit)
+    recs = answers(llm, items, a.max_tokens)
+    for r in recs:
+        r["paths"] = rank_paths(drafter, target, head, rows, r)
+    sizes = [int(x) for x in a.nodes.split(",") if x]
+    B1 = drafter.config.block_size - 1
+    trees: dict[str, list[set]] = {}
+    for N in sizes:  # fold f's tree is built on the items of the other parity
+        if N <= B1:
+            trees[f"chain {N}"] = [chain(N)] * 2
+        for kind, leaves in (("leaves", True), ("tree", False)):
+            if N > 1:
+                trees[f"{kind} {N}"] = [build_tree([p for i, r in enumerate(recs) if i % 2 != f
+                                                    for p in r["paths"]], N, leaves=leaves)
+                                        for f in (0, 1)]  # fmt: skip
+    result: dict = {"benchmark": "drafter_tree", "command": " ".join(sys.argv),
+                    "drafter": a.drafter, "target": dc.target, "dtype": a.dtype,
+                    "items": len(recs), "settings": {}}  # fmt: skip
+    # how often the answer's token ranks within the top k at each depth (its prefix right),
+    # and how often it is outside the draft vocabulary (never drafted)
+    every = [p for r in recs for p in r["paths"]]
+    ranks = {}
+    for d in range(4):
+        at = [p[d] for p in every if len(p) > d]
+        ranks[f"depth {d + 1}"] = {f"top {k}": round(sum(x < k for x in at) / len(at), 3)
+                                   for k in (1, 2, 4, 8)}  # fmt: skip
+        ranks[f"depth {d + 1}"]["outside draft vocabulary"] = round(
+            sum(x == NEVER for x in at) / len(at), 3)  # fmt: skip
+    result["answer_token_ranks"] = ranks
+    print("ranks", json.dumps(ranks), flush=True)
+    for name, (t0, t1) in trees.items():
+        tot_tokens, tot_passes, hist, by_kind = 0, 0, Counter(), {}
+        for i, r in enumerate(recs):
+            passes, h = replay(r["paths"], t0 if i % 2 == 0 else t1)
+            tot_tokens += r["output_tokens"]
+            tot_passes += passes
+            hist.update(h)
+            k = by_kind.setdefault(r["kind"], [0, 0])
+            k[0], k[1] = k[0] + r["output_tokens"], k[1] + passes
+        verify, top = sum(hist.values()), max(hist) + 1
+        row = {"nodes": len(t0), "positions_per_pass": len(t0) + 1,
+               "tpf": round(tot_tokens / tot_passes, 3),
+               "tokens_per_verify_pass": round(1 + sum(m * c for m, c in hist.items()) / verify, 3),
+               "tpf_by_kind": {k: round(t / p, 2) for k, (t, p) in by_kind.items()},
+               "kept_per_pass_histogram": {str(m): hist[m] for m in range(top)}}  # fmt: skip
+        if not name.startswith("chain"):
+            row["tree_fold0"] = sorted(t0, key=lambda p: (len(p), p))
+        result["settings"][name] = row
+        print(name, json.dumps({k: v for k, v in row.items() if k != "tree_fold0"}), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
