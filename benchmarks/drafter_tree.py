@@ -7,7 +7,7 @@ Usage: python benchmarks/drafter_tree.py --drafter runs/drafter-smol-2h/drafter.
 Self-speculation with greedy verification is exact, so its passes can be replayed over the
 target's own greedy (`ar`) answers: a pass that starts after the answer's first c tokens keeps
 the longest drafted path the answer follows, then the target's next token. The chain drafter
-is run teacher-forced over each answer (the trainer's `train_hidden`): at every start c and
+is run teacher-forced over each answer (the trainer's `teacher_forced`): at every start c and
 depth j it gives the logits of the token c + j - 1 under the answer's own tokens before it,
 and the rank of the answer's token there. A tree of drafts is a set of rank paths (Medusa's
 "tree choices"): the path (0, 2) drafts the second-best token after the best one. Its branch
@@ -31,12 +31,17 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from clover.bench.quality import load_suite
 from clover.engine import LLM, GenerationSettings
 from clover.models.drafter import load_drafter, read_drafter_config
-from clover.train.drafter import DrafterTrainConfig, loss_head, target_features
+from clover.train.drafter import (
+    DrafterTrainConfig,
+    head_index,
+    loss_head,
+    target_features,
+    teacher_forced,
+)
 
 NEVER = 10**6  # the rank of a token outside the draft vocabulary
 
@@ -68,10 +73,7 @@ def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
     B = drafter.config.block_size
     P, n = len(rec["prompt_ids"]), len(rec["answer_ids"])
     feats, lengths, ids = target_features(target, [rec], drafter.config.feature_layers, 10**9)
-    index = None  # token id -> row of `head`
-    if rows is not None:
-        index = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
-        index[rows.cpu()] = torch.arange(len(rows))
+    index = head_index(rows, drafter.config.vocab_size)
     mask = target.config.mask_token_id  # as the decoding loop: the target's
     if mask is not None and index is not None:
         mask = int(index[mask]) if int(index[mask]) >= 0 else None
@@ -79,22 +81,14 @@ def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
     for lo in range(1, n, chunk):
         cs = torch.arange(lo, min(n, lo + chunk))
         starts = (P + cs - 1)[None]  # the block's first token: the answer's token c - 1
-        first = ids.gather(1, starts)
-        before = None
-        if drafter.config.chain:
-            at = starts[..., None] + torch.arange(B - 1)
-            before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(1, -1)).reshape(at.shape)
         with torch.no_grad():
-            h = drafter.train_hidden(feats, lengths, first, starts, target.model.embed_tokens, B,
-                                     before)  # fmt: skip
-            logits = F.linear(h[0, :, 1:].to(head.dtype), head).float()  # [S, B-1, V']
+            logp, _, labels = teacher_forced(drafter, target, head, feats, lengths, ids, starts, B)
+        logp, labels = logp[0], labels[0]  # [S, B-1, V'], [S, B-1]
         if mask is not None:  # never drafted (the decoder's drafts skip it too)
-            logits[..., mask] = float("-inf")
-        pos = starts[0][:, None] + torch.arange(1, B)  # [S, B-1]
-        labels = ids[0].gather(0, pos.clamp(max=ids.shape[1] - 1).reshape(-1)).reshape(pos.shape)
+            logp[..., mask] = float("-inf")
         at = labels if index is None else index[labels]
-        mine = logits.gather(-1, at.clamp(min=0)[..., None])
-        rank = (logits > mine).sum(-1)
+        mine = logp.gather(-1, at.clamp(min=0)[..., None])
+        rank = (logp > mine).sum(-1)
         rank = torch.where(at >= 0, rank, NEVER)
         for s, c in enumerate(cs.tolist()):
             depth = min(B - 1, n - c)  # tokens c .. n - 1 remain

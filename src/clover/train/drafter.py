@@ -337,6 +337,38 @@ def loss_head(target: torch.nn.Module, drafter: object,
     return head, rows
 
 
+def head_index(rows: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """token id -> its row of a head made of `rows` (-1: not there); None for the whole head."""
+    if rows is None:
+        return None
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[rows.cpu()] = torch.arange(len(rows))
+    return index
+
+
+def teacher_forced(drafter: object, target: torch.nn.Module, head: torch.Tensor,
+                   feats: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor,
+                   B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The drafter over blocks of B positions at starts [N, S] of the sequences ids [N, L]
+    (their target features, n[i] real), a chain drafter reading each sequence's own tokens
+    (teacher forcing) -> (log-probs [N, S, B-1, V'] over `head`'s rows, the positions
+    [N, S, B-1] they predict, the sequence's tokens there (clamped past its end))."""
+    N, S = starts.shape
+    first = ids.gather(1, starts)
+    before = None
+    if drafter.config.chain:
+        at = starts[..., None] + torch.arange(drafter.config.block_size - 1)  # [N, S, B-1]
+        before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(at.shape)
+    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens, B,
+                             before)  # [N,S,B,D]  # fmt: skip
+    # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
+    # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
+    logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
+    pos = starts[..., None] + torch.arange(1, B)  # [N, S, B-1] positions predicted
+    labels = ids.gather(1, pos.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(N, S, B - 1)
+    return logp, pos, labels
+
+
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
                  cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict]:  # fmt: skip
@@ -350,24 +382,10 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     B = drafter.config.block_size
     if cfg.loss_positions:
         B = min(B, cfg.loss_positions + 1)
-    first = ids.gather(1, starts)
-    before = None  # a chain drafter reads the answer's own tokens (teacher forcing)
-    if drafter.config.chain:
-        at = starts[..., None] + torch.arange(drafter.config.block_size - 1)  # [N, S, B-1]
-        before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(at.shape)
-    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens, B,
-                             before)  # [N,S,B,D]  # fmt: skip
-    # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
-    # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
-    logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
-    pos = starts[..., None] + torch.arange(1, B)  # [N, S, B-1] positions predicted
+    logp, pos, labels = teacher_forced(drafter, target, head, feats, n, ids, starts, B)
     valid = pos < n[:, None, None]
     weight = torch.exp(-(torch.arange(B - 1).float()) / cfg.decay)[None, None] * valid
-    labels = ids.gather(1, pos.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(N, S, B - 1)
-    index = None  # token id -> row of `head` (-1: not there)
-    if rows is not None:
-        index = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
-        index[rows.cpu()] = torch.arange(len(rows))
+    index = head_index(rows, drafter.config.vocab_size)
     if cfg.loss == "ce":
         at = labels if index is None else index[labels]
         per = -logp.gather(-1, at.clamp(min=0)[..., None])[..., 0]
