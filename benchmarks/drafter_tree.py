@@ -2,7 +2,8 @@
 drafter's drafts as a chain and as trees of the same and larger sizes.
 
 Usage: python benchmarks/drafter_tree.py --drafter runs/drafter-smol-2h/drafter.safetensors \
-           [--limit 64] [--nodes 15,31,63] [--dtype int4] [--out benchmarks/results/....json]
+           [--limit 64] [--nodes 15,31,63] [--copy-bonus 4,0,2,8] [--dtype int4] \
+           [--out benchmarks/results/....json]
 
 Self-speculation with greedy verification is exact, so its passes can be replayed over the
 target's own greedy (`ar`) answers: a pass that starts after the answer's first c tokens keeps
@@ -16,6 +17,11 @@ path at c tells how far any tree would be kept: the longest prefix of it in the 
 chain is the tree {(0,), (0, 0), ...}. Trees of N nodes are built from the rank paths of the
 other half of the items (two folds by item parity: no item picks its own tree), most frequent
 prefixes first (each prefix's frequency is what its node adds to the expected length).
+
+A chain drafter's drafts lean to context copies in the decoder (`DrafterRunner.COPY_BONUS`
+added to the logit of the token that followed the latest earlier occurrence of the last 3, else
+2, tokens); the replay adds the same (`--copy-bonus`, the decoder's value by default); more
+values compare chains at each and pick one per fold on the other half of the items.
 
 Counted as `clover bench quality` counts: output tokens (EOS excluded) / target passes
 (prefill included). A tree of N nodes verifies N + 1 positions a pass (its attention mask
@@ -33,6 +39,8 @@ from pathlib import Path
 import torch
 
 from clover.bench.quality import load_suite
+from clover.decoding.drafting import DrafterRunner
+from clover.decoding.rows import NgramIndex
 from clover.engine import LLM, GenerationSettings
 from clover.models.drafter import load_drafter, read_drafter_config
 from clover.train.drafter import (
@@ -65,11 +73,27 @@ def answers(llm: LLM, items: list[dict], max_tokens: int) -> list[dict]:
     return out
 
 
+def copies(rec: dict, B: int) -> list[list[int | None]]:
+    """Per start c = 1 .. n - 1: the token a chain drafter's draft at each depth leans to
+    (`NgramIndex.follower` over prompt + the answer's first c tokens, the drafts before it
+    being the answer's own tokens: the only branch the replay counts), as the decoding loop
+    computes it (`DrafterRunner.COPY_BONUS`)."""
+    answer = rec["answer_ids"]
+    index = NgramIndex(rec["prompt_ids"] + answer[:1])
+    out = []
+    for c in range(1, len(answer)):
+        if c > 1:
+            index.extend(answer[c - 1 : c])
+        out.append([index.follower(answer[c : c + j]) for j in range(min(B - 1, len(answer) - c))])
+    return out
+
+
 def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
-               rows: torch.Tensor | None, rec: dict, chunk: int = 32) -> list[tuple]:  # fmt: skip
-    """Per start c = 1 .. n - 1 of the answer (n tokens, EOS included): the ranks of the
-    answer's tokens c .. c + B - 2 among the drafter's logits, teacher-forced, cut at the
-    answer's end."""
+               rows: torch.Tensor | None, rec: dict, bonuses: tuple[float, ...] = (0.0,),
+               chunk: int = 32) -> dict[float, list[tuple]]:  # fmt: skip
+    """Per copy bonus, per start c = 1 .. n - 1 of the answer (n tokens, EOS included): the
+    ranks of the answer's tokens c .. c + B - 2 among the drafter's logits, teacher-forced,
+    cut at the answer's end."""
     B = drafter.config.block_size
     P, n = len(rec["prompt_ids"]), len(rec["answer_ids"])
     feats, lengths, ids = target_features(target, [rec], drafter.config.feature_layers, 10**9)
@@ -77,22 +101,34 @@ def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
     mask = target.config.mask_token_id  # as the decoding loop: the target's
     if mask is not None and index is not None:
         mask = int(index[mask]) if int(index[mask]) >= 0 else None
-    paths: list[tuple[int, ...]] = []
+    leans = copies(rec, B)
+    bonuses = tuple(dict.fromkeys(bonuses))
+    paths: dict[float, list[tuple[int, ...]]] = {b: [] for b in bonuses}
     for lo in range(1, n, chunk):
         cs = torch.arange(lo, min(n, lo + chunk))
         starts = (P + cs - 1)[None]  # the block's first token: the answer's token c - 1
         with torch.no_grad():
             logp, _, labels = teacher_forced(drafter, target, head, feats, lengths, ids, starts, B)
         logp, labels = logp[0], labels[0]  # [S, B-1, V'], [S, B-1]
-        if mask is not None:  # never drafted (the decoder's drafts skip it too)
-            logp[..., mask] = float("-inf")
         at = labels if index is None else index[labels]
-        mine = logp.gather(-1, at.clamp(min=0)[..., None])
-        rank = (logp > mine).sum(-1)
-        rank = torch.where(at >= 0, rank, NEVER)
+        lean = torch.full(at.shape, -1)  # [S, B-1] the copy each draft leans to (head rows)
         for s, c in enumerate(cs.tolist()):
-            depth = min(B - 1, n - c)  # tokens c .. n - 1 remain
-            paths.append(tuple(rank[s, :depth].tolist()))
+            for j, t in enumerate(leans[c - 1]):
+                if t is not None:
+                    lean[s, j] = t if index is None else int(index[t])
+        for bonus in bonuses:
+            lp = logp.clone()
+            if bonus:
+                add = torch.where(lean >= 0, bonus, 0.0)[..., None]
+                lp.scatter_add_(-1, lean.clamp(min=0)[..., None], add)
+            if mask is not None:  # never drafted (the decoder's drafts skip it too)
+                lp[..., mask] = float("-inf")
+            mine = lp.gather(-1, at.clamp(min=0)[..., None])
+            rank = (lp > mine).sum(-1)
+            rank = torch.where(at >= 0, rank, NEVER)
+            for s, c in enumerate(cs.tolist()):
+                depth = min(B - 1, n - c)  # tokens c .. n - 1 remain
+                paths[bonus].append(tuple(rank[s, :depth].tolist()))
     return paths
 
 
@@ -146,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=64, help="suite items (the first of each kind)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--nodes", default="1,2,3,4,7,15,31,63", help="draft sizes to compare")
+    ap.add_argument("--copy-bonus", default=f"{DrafterRunner.COPY_BONUS:g}",
+                    help="a chain drafter's lean to context copies (the decoder's: "
+                    f"{DrafterRunner.COPY_BONUS:g}); the first value's paths make the trees, "
+                    "more values add chains of the longest size and a two-fold pick")  # fmt: skip
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    bonuses = tuple(float(x) for x in a.copy_bonus.split(",") if x)
     dc = read_drafter_config(Path(a.drafter))
     llm = LLM(dc.target, dtype=a.dtype, progress=False)
     target = llm.model
@@ -157,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     items = load_suite(limit=a.limit)
     recs = answers(llm, items, a.max_tokens)
     for r in recs:
-        r["paths"] = rank_paths(drafter, target, head, rows, r)
+        r["by_bonus"] = rank_paths(drafter, target, head, rows, r, bonuses)
+        r["paths"] = r["by_bonus"][bonuses[0]]
     sizes = [int(x) for x in a.nodes.split(",") if x]
     B1 = drafter.config.block_size - 1
     trees: dict[str, list[set]] = {}
@@ -171,7 +213,23 @@ def main(argv: list[str] | None = None) -> int:
                                         for f in (0, 1)]  # fmt: skip
     result: dict = {"benchmark": "drafter_tree", "command": " ".join(sys.argv),
                     "drafter": a.drafter, "target": dc.target, "dtype": a.dtype,
-                    "items": len(recs), "settings": {}}  # fmt: skip
+                    "copy_bonus": bonuses[0], "items": len(recs), "settings": {}}  # fmt: skip
+    if len(bonuses) > 1:  # the longest chain at each bonus, and the bonus each fold picks
+        longest = chain(min(B1, max(sizes)))
+        per = {b: [replay(r["by_bonus"][b], longest)[0] for r in recs] for b in bonuses}
+        tokens = [r["output_tokens"] for r in recs]
+
+        def tpf(b: float, f: int | None = None) -> float:
+            idx = [i for i in range(len(recs)) if f is None or i % 2 == f]
+            return sum(tokens[i] for i in idx) / sum(per[b][i] for i in idx)
+
+        picks = [max(bonuses, key=lambda b: tpf(b, 1 - f)) for f in (0, 1)]
+        folded = sum(tokens) / sum(per[picks[i % 2]][i] for i in range(len(recs)))
+        result["copy_bonus_chain"] = {
+            "tpf": {f"{b:g}": round(tpf(b), 3) for b in bonuses},
+            "two_fold": {"picks": picks, "tpf": round(folded, 3)},
+        }
+        print("copy bonus", json.dumps(result["copy_bonus_chain"]), flush=True)
     # how often the answer's token ranks within the top k at each depth (its prefix right),
     # and how often it is outside the draft vocabulary (never drafted)
     every = [p for r in recs for p in r["paths"]]

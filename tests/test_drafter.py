@@ -620,10 +620,30 @@ def test_drafter_training_from_a_drafter_file_and_on_the_first_positions(tiny_ch
     want = load_drafter(small_file).vocab
     assert want is not None and len(want) == 32
     assert torch.equal(load_drafter(tmp_path / "m" / "drafter.safetensors").vocab, want)
-    wide = drafter_config(tiny_checkpoint, data, tmp_path / "c", steps=2, layers=2,
+    # a deeper drafter grows from the file: its layers first, the added one a no-op at the
+    # start (lr 0: the written file drafts as the first one does), and a file never shrinks
+    deep = drafter_config(tiny_checkpoint, data, tmp_path / "c", steps=1, layers=2, lr=0.0,
                           feature_layers=[0], init=str(first))  # fmt: skip
-    with pytest.raises(CloverError, match="num_hidden_layers 1"):
-        train_drafter(wide, progress=False)
+    train_drafter(deep, progress=False)
+    grown = load_drafter(tmp_path / "c" / "drafter.safetensors")
+    assert grown.config.num_hidden_layers == 2
+    assert not grown.layers[1].self_attn.o_proj.weight.any()
+    assert grown.layers[1].self_attn.q_proj.weight.any()  # trainable, not zeroed
+    feats = torch.randn(2, 7, grown.config.hidden_size)
+    embed = torch.nn.Embedding(grown.config.vocab_size, grown.config.hidden_size)
+    n, tok, at = torch.tensor([7, 5]), torch.tensor([[3], [4]]), torch.tensor([[7], [5]])
+    with torch.no_grad():
+        torch.testing.assert_close(grown.train_hidden(feats, n, tok, at, embed),
+                                   a.train_hidden(feats, n, tok, at, embed))  # fmt: skip
+    grown_file = str(tmp_path / "c" / "drafter.safetensors")
+    shallow = drafter_config(tiny_checkpoint, data, tmp_path / "e", steps=1, layers=1,
+                             feature_layers=[0], init=grown_file)  # fmt: skip
+    with pytest.raises(CloverError, match="num_hidden_layers 2"):
+        train_drafter(shallow, progress=False)
+    other = drafter_config(tiny_checkpoint, data, tmp_path / "f", steps=1, layers=1,
+                           feature_layers=[0], init=str(first), chain=True)  # fmt: skip
+    with pytest.raises(CloverError, match="chain False"):
+        train_drafter(other, progress=False)
     gone = drafter_config(tiny_checkpoint, data, tmp_path / "d", steps=2, layers=1,
                           feature_layers=[0], init=str(tmp_path / "none.safetensors"))  # fmt: skip
     with pytest.raises(CloverError, match="no drafter file"):
@@ -947,29 +967,38 @@ def test_store_guesses_give_way_to_a_drafter_that_pays_more():
     assert row._lookup()[:1] == [41] and row._source == "lookup" and row.drafter_length() == 0
 
 
-def test_tree_replay_of_a_chain_counts_the_decoder_s_passes():
+def test_tree_replay_of_a_chain_counts_the_decoder_s_passes(monkeypatch):
     """benchmarks/drafter_tree.py: the teacher-forced rank paths of a chain drafter over the
     answers, replayed with the chain's tree, give the passes and the drafts kept per pass of
     the real `:fixed` decode (the last pass apart: the decoder drafts no further than the
     token budget); trees are prefix-closed, "leaves" trees branch only off the arg-max chain,
     and a draft is kept as far as its rank path stays in the tree."""
+    from clover.decoding.drafting import DrafterRunner
     from clover.decoding.policies import SelfSpec
     from tests.conftest import load_benchmark
 
     mod = load_benchmark("drafter_tree")
     model = attached(tiny_model(seed=3), chain=True)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
-    spec = decoded(model, prompts, SelfSpec(block_size=4, draft="drafter", adaptive=False), 24)
-    kept_any = 0
-    for prompt, r in zip(prompts, spec):
-        rec = {"id": "x", "prompt_ids": prompt, "answer_ids": list(r.tokens)}
-        paths = mod.rank_paths(model.drafter, model, model.head_weight(), None, rec)
-        assert len(paths) == len(r.tokens) - 1 and all(len(p) <= 3 for p in paths)
-        passes, hist = mod.replay(paths, mod.chain(3))
-        assert passes == r.nfe
-        assert hist[: len(r.accepted) - 1] == r.accepted[:-1]  # a last pass may draft none
-        kept_any += sum(r.accepted)
-    assert kept_any >= 10  # the looping tiny model makes the random drafter right often
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    kept_any, differ = 0, 0
+    for bonus in (DrafterRunner.COPY_BONUS, 0.0, 30.0):  # the decoder's lean to copies, none,
+        with monkeypatch.context() as m:  # and one that overrides the drafter
+            m.setattr(DrafterRunner, "COPY_BONUS", bonus)
+            spec = decoded(model, prompts, policy, 24)
+        for prompt, r in zip(prompts, spec):
+            rec = {"id": "x", "prompt_ids": prompt, "answer_ids": list(r.tokens)}
+            both = mod.rank_paths(model.drafter, model, model.head_weight(), None, rec,
+                                  (bonus, 0.0))  # fmt: skip
+            paths = both[bonus]
+            assert len(paths) == len(r.tokens) - 1 and all(len(p) <= 3 for p in paths)
+            passes, hist = mod.replay(paths, mod.chain(3))
+            assert passes == r.nfe
+            assert hist[: len(r.accepted) - 1] == r.accepted[:-1]  # a last pass may draft none
+            kept_any += sum(r.accepted)
+            differ += passes != mod.replay(both[0.0], mod.chain(3))[0]
+    assert kept_any >= 30  # the looping tiny model makes the random drafter right often
+    assert differ  # the bonus changes what is drafted
 
     paths = [(0, 0, 1), (0, 1, 0), (1, 0), (0, 0, 0), (2,), (0, 3)]
     assert mod.kept((0, 1, 0), mod.chain(3)) == 1 and mod.kept((1, 0), mod.chain(3)) == 0

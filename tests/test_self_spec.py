@@ -149,6 +149,20 @@ def test_ngram_index_finds_the_latest_earlier_occurrence():
     assert NgramIndex([4, 4, 4]).draft(5) == [4]  # the draft stops where the context ends
 
 
+def test_ngram_index_follower_reads_drafts_after_the_indexed_tokens():
+    """The copy a chain drafter's next draft leans to: the follower of the longest (3, else 2)
+    suffix of the indexed tokens + the drafts so far, found among the indexed tokens only."""
+    from clover.decoding.rows import NgramIndex
+
+    idx = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    assert idx.follower([]) is None  # (5, 6) never occurred before
+    assert idx.follower([9]) is None  # nor (6, 9)
+    assert idx.follower([9, 2]) == 3  # (9, 2) did, followed by 3
+    assert idx.follower([1, 2, 3]) == 4  # (1, 2, 3) beats the later (2, 3) -> 5
+    assert idx.follower([7, 2, 3]) == 5  # no (7, 2, 3): the latest (2, 3)
+    assert NgramIndex([1]).follower([]) is None and NgramIndex([]).follower([1, 2]) is None
+
+
 @pytest.mark.parametrize("draft", ["lookup", "mask+lookup"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("block", [2, 5])

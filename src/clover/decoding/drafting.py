@@ -28,6 +28,13 @@ Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (position, logits [B, V]) 
 
 class DrafterRunner:
     BACKLOG = 256  # tokens whose features may wait for a row's next draft
+    # a chain drafter's logit at each position gains this much on the token that followed the
+    # latest earlier occurrence of the row's last 3 (else 2) tokens, drafts included
+    # (`NgramIndex.follower`): the small drafters trained here copy names and numbers from the
+    # prompt poorly ("The capital of" -> " Morocco" for France). Replayed on the quality suite
+    # (benchmarks/drafter_tree.py --copy-bonus), SmolLM2-135M's chain drafter kept more with it
+    # (README "Train a drafter"); 0 turns it off. Drafts stay drafts: verification is exact.
+    COPY_BONUS = 4.0
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter) -> None:
         self.model, self.drafter = model, drafter

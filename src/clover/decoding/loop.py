@@ -171,7 +171,7 @@ class BatchDecoder:
                 self.drafting = DrafterRunner(self.model, self.model.drafter)
                 for _ in self.active:  # rows already running draft otherwise: empty contexts
                     self.drafting.add_row()
-            if policy.adaptive and (row.context is not None or row.uses_drafter):
+            if policy.adaptive and (row.looks_up or row.uses_drafter):
                 row.costs = self._pass_costs(row.uses_drafter)
                 row.share_acceptance(self.model)
             if "store" in policy.draft:
@@ -509,12 +509,18 @@ class BatchDecoder:
         mask_id = self.config.mask_token_id
         picked: list[torch.Tensor] = []  # a chain drafter's drafts, position by position
         qs: list[list[torch.Tensor]] = [[] for _ in lengths]  # a sampling row's q, [1, V] each
+        tails: list[list[int]] = [[] for _ in lengths]  # each row's drafts so far
 
         def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
             """A chain drafter's draft at position i + 1 of every row (logits [B, V]): the
             arg-max, or a sampling row's draw from the distribution it will be verified
             against (kept as its q), so its later positions read the token it will really
             propose."""
+            bonus = self.drafting.COPY_BONUS
+            for b, (r, n) in enumerate(zip(self.active, lengths)):
+                copy = r.context.follower(tails[b]) if bonus and i < n else None
+                if copy is not None:  # the drafter's guess leans to what the context repeats
+                    logits[b, copy] += bonus
             if mask_id is not None:
                 logits[:, mask_id] = float("-inf")
             ids = logits.argmax(-1)
@@ -524,6 +530,8 @@ class BatchDecoder:
                     ids[b] = drawn[0]
                     qs[b].append(q)
             picked.append(ids)
+            for b, t in enumerate(ids.tolist()):
+                tails[b].append(t)
             return ids
 
         with torch.inference_mode():

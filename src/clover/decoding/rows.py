@@ -303,6 +303,17 @@ class NgramIndex:
                 return self.tokens[j : j + k]
         return []
 
+    def follower(self, tail: list[int]) -> int | None:
+        """The token that followed the latest occurrence, in the indexed tokens, of the longest
+        suffix (3 or 2 tokens) of the indexed tokens + `tail` (a chain drafter's drafts so far):
+        the copy a chain drafter's next draft leans to (`DrafterRunner.COPY_BONUS`)."""
+        seq = self.tokens[-max(self.SIZES) :] + tail
+        for n in self.SIZES:
+            j = self.after.get(tuple(seq[-n:])) if len(seq) >= n else None
+            if j is not None:
+                return self.tokens[j]
+        return None
+
     def _match(self, j: int) -> int:
         """How many tokens before position j equal the ones at the end (up to GROW_AFTER)."""
         m, end = 0, len(self.tokens)
@@ -344,12 +355,15 @@ class SpecRow(Row):
         self.refine_left = 0
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self._from_context = False  # the planned pass's draft came from a context lookup
-        self.context = NgramIndex(self.pending) if "lookup" in self.policy.draft else None
+        self.uses_drafter = "drafter" in self.policy.draft  # drafts set by the loop's drafter
+        # the row's prompt + answer, indexed for context-lookup drafts and for the copies a
+        # chain drafter's drafts lean to
+        self.looks_up = "lookup" in self.policy.draft
+        self.context = NgramIndex(self.pending) if self.looks_up or self.uses_drafter else None
         # draft="lookup+store": the model's n-gram store (decoding/store.py; the loop sets it)
         # drafts where the row's own context has no match
         self.store: NgramStore | None = None
         self._source = ""  # where the planned pass's draft came from
-        self.uses_drafter = "drafter" in self.policy.draft  # drafts set by the loop's drafter
         # the machine's pass costs (decoding/costs.py), set by the loop when the policy adapts
         # its draft lengths; then each source's acceptance decides how far to draft
         self.costs: PassCosts | None = None
@@ -381,7 +395,7 @@ class SpecRow(Row):
         round as `ar`'s do; with integer dots every later pass of up to 4 tokens (16 on AVX2)
         does too, and int4 answers stay `ar`'s (drafts appended to the prompt pass made an AMX
         pass of another width, whose rows sum in another order: one coder answer in 64 parted)."""
-        if self.context is None or not self.answer:
+        if not self.looks_up or not self.answer:
             return []
         room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
         most = min(self.policy.block_size - 1, room)

@@ -479,20 +479,35 @@ def _save(
 
 def start_from_file(drafter: object, target: torch.nn.Module, path: Path) -> None:
     """`init: <drafter file>`: the drafter takes the file's weights and draft vocabulary; the
-    file must be a drafter of this target (its fingerprint) of the same shape."""
+    file must be a drafter of this target (its fingerprint) of the same shape, or of fewer
+    layers (grown: its layers come first, and each added layer starts with zero output
+    projections, so the grown drafter starts as the file's function)."""
     from clover.models.drafter import load_drafter
 
     if not path.is_file():
         raise CloverError(f"init: no drafter file at {path}")
     other = load_drafter(path, target)
     c, o = drafter.config, other.config
-    shape = ("num_hidden_layers", "block_size", "feature_layers", "hidden_size", "head_dim",
-             "intermediate_size", "num_attention_heads", "num_key_value_heads")  # fmt: skip
+    shape = ("block_size", "feature_layers", "hidden_size", "head_dim", "intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "chain")  # fmt: skip
     differ = [f"{k} {getattr(o, k)} (config: {getattr(c, k)})" for k in shape
               if getattr(o, k) != getattr(c, k)]  # fmt: skip
+    if o.num_hidden_layers > c.num_hidden_layers:
+        differ.insert(0, f"num_hidden_layers {o.num_hidden_layers} (config: "
+                         f"{c.num_hidden_layers}; a file can only grow)")  # fmt: skip
     if differ:
         raise CloverError(f"init: {path} is another shape of drafter: {', '.join(differ)}")
-    drafter.load_state_dict({k: v.float() for k, v in other.state_dict().items()})
+    missing, _ = drafter.load_state_dict({k: v.float() for k, v in other.state_dict().items()},
+                                         strict=False)  # fmt: skip
+    added = set(range(o.num_hidden_layers, c.num_hidden_layers))
+    if any(int(k.split(".")[1]) not in added for k in missing if k.startswith("layers.")) or any(
+        not k.startswith("layers.") for k in missing
+    ):
+        raise CloverError(f"init: {path} lacks weights this drafter needs: {sorted(missing)}")
+    with torch.no_grad():
+        for i in sorted(added):  # residual branches that add nothing yet
+            drafter.layers[i].self_attn.o_proj.weight.zero_()
+            drafter.layers[i].mlp.down_proj.weight.zero_()
     drafter.set_vocab(other.vocab)
 
 
