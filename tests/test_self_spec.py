@@ -260,29 +260,43 @@ def test_warm_up_runs_every_kind_of_causal_pass():
     assert kinds == {"prefill", "step", "verify"}
 
 
-@pytest.mark.parametrize("draft", ["mask", "chain drafter"])
-def test_speculative_sampling_has_the_ar_distribution(draft):
+@pytest.mark.parametrize("draft", ["mask", "chain drafter", "chain drafter leaning"])
+def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
     """Lossless at temperature > 0: drafts drawn from their distribution q (the masked
-    block's; a chain drafter's, each position conditioned on the draft drawn before it) are
-    kept with probability min(1, p/q), the first refused one is redrawn from the residual.
+    block's; a chain drafter's, each position conditioned on the draft drawn before it, and
+    leaning to context copies: "leaning" makes the lean large and the prompt one where every
+    draft has a copy to lean to) are kept with probability min(1, p/q), the first refused one
+    is redrawn from the residual.
     Over 3,000 seeds the answers' tokens 2 and 3 (the ones drafts are verified for) follow AR
     sampling's exact distribution, computed from the tiny model's probabilities: chi-square
     on the marginals of t2 and t3 and on (t2, t3) in 8 x 8 bins."""
     from scipy.stats import chi2
 
+    from clover.decoding.drafting import DrafterRunner
+    from clover.decoding.rows import NgramIndex
+
     model = tiny_model(seed=2)
     prompt = [5, 9, 12, 5, 9]
     n = 3000
     policy = make_policy("self_spec", 3, draft="mask")
-    if draft == "chain drafter":
+    leans = []
+    if draft.startswith("chain drafter"):
         from tests.test_drafter import attached
 
         model = attached(model, chain=True)
         policy = SelfSpec(block_size=3, draft="drafter", adaptive=False)
-    source = draft.split()[-1]
+    if draft.endswith("leaning"):  # 9 x 9 y ... 9: (9, t1) and (t1, 9) always occurred before
+        prompt = [t for x in range(4, model.config.vocab_size) for t in (9, x)] + [9]
+        monkeypatch.setattr(DrafterRunner, "COPY_BONUS", 30.0)
+        follower = NgramIndex.follower
+        monkeypatch.setattr(NgramIndex, "follower", lambda s, t: leans.append(follower(s, t))
+                            or leans[-1])  # fmt: skip
+    source = "drafter" if "drafter" in draft else "mask"
     sampling = SamplingParams(temperature=1.0, seed=7)
     results, _ = run(model, [prompt] * n, policy, max_new=3, sampling=sampling)
     assert sum(r.drafts.get(source, [0, 0])[0] for r in results) >= n  # drafts were verified
+    if leans:  # nearly every draft leaned to a copy
+        assert len(leans) >= n and sum(x is not None for x in leans) >= 0.9 * len(leans)
     mask_id, V = model.config.mask_token_id, model.config.vocab_size
 
     def probs(seqs):  # next-token distributions after each sequence, as AR sampling draws
