@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/drafter_heldout.py --drafter A.safetensors --drafter B.safetensors \
            --data runs/distill-coder-v2 --data runs/distill-coder-self \
-           [--unseen compare,email] [--limit 48] [--out benchmarks/results/....json]
+           [--unseen compare,email] [--limit 48] [--copy-bonus 4] \
+           [--out benchmarks/results/....json]
 
 The measure is the trainer's (`clover.train.drafter.evaluate`): greedy drafts of a whole block
 against the teacher's answer at fixed block starts, the mean leading drafts kept per block and
@@ -10,7 +11,8 @@ the first draft's hit rate. Groups: held-out prompts of the kinds trained on, pr
 `--unseen` kinds (held out of training whole, so either split), and held-out self-written prompts
 (kind "self"); the first `--limit` of each. Every
 drafter reads the same records and the same target features (made once, at the drafters'
-target precision).
+target precision). `--copy-bonus B`: chain drafters' drafts lean to context copies as the
+decoder's do (`DrafterRunner.COPY_BONUS`; 0, the default, measures the drafter alone).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unseen", default="compare,email", help="kinds held out of training")
     ap.add_argument("--limit", type=int, default=48, help="records per group")
     ap.add_argument("--dtype", default="int4", help="the target's precision (int4)")
+    ap.add_argument("--copy-bonus", type=float, default=0.0,
+                    help="lean of chain drafts to context copies (the decoder's: 4)")  # fmt: skip
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     configs = [read_drafter_config(Path(f)) for f in a.drafter]
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     c0 = configs[0]
     base = DrafterTrainConfig(target=c0.target, data=a.data, out="", blocks_per_sequence=8,
                               batch_size=8, max_len=448, loss_vocab="draft",
+                              copy_bonus=a.copy_bonus,
                               heldout_kinds=[k for k in a.unseen.split(",") if k])  # fmt: skip
     sets = groups(base, a.limit)
     llm = LLM(c0.target, dtype=a.dtype, progress=False)
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     caches: dict[tuple, FeatureCache] = {}  # features by the layers they are taken from
     result: dict = {"benchmark": "drafter_heldout", "command": " ".join(sys.argv),
                     "target": c0.target, "dtype": a.dtype, "data": a.data,
+                    "copy_bonus": a.copy_bonus,
                     "records": {g: len(rs) for g, rs in sets.items()}, "drafters": {}}  # fmt: skip
     for path, c in zip(a.drafter, configs):
         drafter = load_drafter(Path(path), target).float()

@@ -40,11 +40,11 @@ import torch
 
 from clover.bench.quality import load_suite
 from clover.decoding.drafting import DrafterRunner
-from clover.decoding.rows import NgramIndex
 from clover.engine import LLM, GenerationSettings
 from clover.models.drafter import load_drafter, read_drafter_config
 from clover.train.drafter import (
     DrafterTrainConfig,
+    copy_leans,
     head_index,
     loss_head,
     target_features,
@@ -75,17 +75,12 @@ def answers(llm: LLM, items: list[dict], max_tokens: int) -> list[dict]:
 
 def copies(rec: dict, B: int) -> list[list[int | None]]:
     """Per start c = 1 .. n - 1: the token a chain drafter's draft at each depth leans to
-    (`NgramIndex.follower` over prompt + the answer's first c tokens, the drafts before it
-    being the answer's own tokens: the only branch the replay counts), as the decoding loop
-    computes it (`DrafterRunner.COPY_BONUS`)."""
-    answer = rec["answer_ids"]
-    index = NgramIndex(rec["prompt_ids"] + answer[:1])
-    out = []
-    for c in range(1, len(answer)):
-        if c > 1:
-            index.extend(answer[c - 1 : c])
-        out.append([index.follower(answer[c : c + j]) for j in range(min(B - 1, len(answer) - c))])
-    return out
+    (`DrafterRunner.COPY_BONUS`), as the decoding loop and the trainer compute it
+    (`copy_leans`: over prompt + the answer's first c tokens, the drafts before it being the
+    answer's own tokens, the only branch the replay counts)."""
+    P, n = len(rec["prompt_ids"]), len(rec["answer_ids"])
+    seq = rec["prompt_ids"] + rec["answer_ids"]
+    return copy_leans(seq, [P + c - 1 for c in range(1, n)], B - 1)
 
 
 def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,

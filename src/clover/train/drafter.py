@@ -88,6 +88,10 @@ class DrafterTrainConfig:
     # a chain drafter (models/drafter.py): drafts token by token, each position reading the
     # token before it, trained on the answer's own tokens there
     chain: bool = False
+    # a chain drafter trained as it drafts: the decoder's lean to context copies
+    # (`DrafterRunner.COPY_BONUS`) added to its logits in the loss and the held-out measure
+    # (0: trained without it)
+    copy_bonus: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
@@ -369,6 +373,36 @@ def teacher_forced(drafter: object, target: torch.nn.Module, head: torch.Tensor,
     return logp, pos, labels
 
 
+def copy_leans(tokens: list[int], starts: list[int], depth: int) -> list[list[int | None]]:
+    """Per block start p in a sequence's `tokens`: the token a chain drafter's draft at each
+    of `depth` positions leans to in the decoder (`NgramIndex.follower` over tokens[: p + 1],
+    the drafts before it being the sequence's own tokens p + 1 ..); None past its end."""
+    from clover.decoding.rows import NgramIndex
+
+    index, done, out = NgramIndex([]), 0, {}
+    for p in sorted(set(starts)):
+        index.extend(tokens[done : p + 1])
+        done = p + 1
+        out[p] = [index.follower(tokens[p + 1 : p + 1 + j]) if p + 1 + j < len(tokens) else None
+                  for j in range(depth)]  # fmt: skip
+    return [out[p] for p in starts]
+
+
+def lean_to_copies(logp: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, starts: torch.Tensor,
+                   bonus: float, index: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """logp [N, S, B-1, V'] of blocks at starts [N, S] -> the same with `bonus` added to the
+    logit each draft leans to (`copy_leans`; `index`: token id -> head row), renormalised."""
+    N, S, D, _ = logp.shape
+    lean = torch.full((N, S, D), -1, dtype=torch.long)
+    for i in range(N):
+        rows = copy_leans(ids[i, : int(n[i])].tolist(), starts[i].tolist(), D)
+        lean[i] = torch.tensor([[-1 if t is None else t for t in r] for r in rows])
+    if index is not None:
+        lean = torch.where(lean >= 0, index[lean.clamp(min=0)], -1)
+    add = torch.where(lean >= 0, bonus, 0.0).to(logp.device)[..., None]
+    return logp.scatter_add(-1, lean.clamp(min=0).to(logp.device)[..., None], add).log_softmax(-1)
+
+
 def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
                  cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict]:  # fmt: skip
@@ -386,6 +420,8 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     valid = pos < n[:, None, None]
     weight = torch.exp(-(torch.arange(B - 1).float()) / cfg.decay)[None, None] * valid
     index = head_index(rows, drafter.config.vocab_size)
+    if cfg.copy_bonus and drafter.config.chain:
+        logp = lean_to_copies(logp, ids, n, starts, cfg.copy_bonus, index)
     if cfg.loss == "ce":
         at = labels if index is None else index[labels]
         per = -logp.gather(-1, at.clamp(min=0)[..., None])[..., 0]
