@@ -44,8 +44,9 @@ from clover.engine import LLM, GenerationSettings
 from clover.models.drafter import load_drafter, read_drafter_config
 from clover.train.drafter import (
     DrafterTrainConfig,
-    copy_leans,
+    copy_lean_rows,
     head_index,
+    lean_to_copies,
     loss_head,
     target_features,
     teacher_forced,
@@ -73,16 +74,6 @@ def answers(llm: LLM, items: list[dict], max_tokens: int) -> list[dict]:
     return out
 
 
-def copies(rec: dict, B: int) -> list[list[int | None]]:
-    """Per start c = 1 .. n - 1: the token a chain drafter's draft at each depth leans to
-    (`DrafterRunner.COPY_BONUS`), as the decoding loop and the trainer compute it
-    (`copy_leans`: over prompt + the answer's first c tokens, the drafts before it being the
-    answer's own tokens, the only branch the replay counts)."""
-    P, n = len(rec["prompt_ids"]), len(rec["answer_ids"])
-    seq = rec["prompt_ids"] + rec["answer_ids"]
-    return copy_leans(seq, [P + c - 1 for c in range(1, n)], B - 1)
-
-
 def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
                rows: torch.Tensor | None, rec: dict, bonuses: tuple[float, ...] = (0.0,),
                chunk: int = 32) -> dict[float, list[tuple]]:  # fmt: skip
@@ -96,7 +87,6 @@ def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
     mask = target.config.mask_token_id  # as the decoding loop: the target's
     if mask is not None and index is not None:
         mask = int(index[mask]) if int(index[mask]) >= 0 else None
-    leans = copies(rec, B)
     bonuses = tuple(dict.fromkeys(bonuses))
     paths: dict[float, list[tuple[int, ...]]] = {b: [] for b in bonuses}
     for lo in range(1, n, chunk):
@@ -106,16 +96,12 @@ def rank_paths(drafter: object, target: torch.nn.Module, head: torch.Tensor,
             logp, _, labels = teacher_forced(drafter, target, head, feats, lengths, ids, starts, B)
         logp, labels = logp[0], labels[0]  # [S, B-1, V'], [S, B-1]
         at = labels if index is None else index[labels]
-        lean = torch.full(at.shape, -1)  # [S, B-1] the copy each draft leans to (head rows)
-        for s, c in enumerate(cs.tolist()):
-            for j, t in enumerate(leans[c - 1]):
-                if t is not None:
-                    lean[s, j] = t if index is None else int(index[t])
+        # the copy each draft leans to, as the decoding loop and the trainer compute it (over
+        # prompt + the answer's first c tokens, the drafts before it being the answer's own:
+        # the only branch the replay counts)
+        lean = copy_lean_rows(ids, lengths, starts, B - 1, index)[0]  # [S, B-1]
         for bonus in bonuses:
-            lp = logp.clone()
-            if bonus:
-                add = torch.where(lean >= 0, bonus, 0.0)[..., None]
-                lp.scatter_add_(-1, lean.clamp(min=0)[..., None], add)
+            lp = lean_to_copies(logp, lean, bonus) if bonus else logp.clone()
             if mask is not None:  # never drafted (the decoder's drafts skip it too)
                 lp[..., mask] = float("-inf")
             mine = lp.gather(-1, at.clamp(min=0)[..., None])

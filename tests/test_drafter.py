@@ -1012,10 +1012,11 @@ def test_tree_replay_of_a_chain_counts_the_decoder_s_passes(monkeypatch):
 
 def test_copy_leans_and_training_as_the_decoder_drafts(tiny_checkpoint, data, tmp_path):
     """copy_leans gives, per block start, the decoder's lean at each depth (the follower of the
-    committed tokens + the block's own tokens before it); lean_to_copies adds the bonus there
+    committed tokens + the block's own tokens before it; copy_lean_rows as head rows);
+    lean_to_copies adds the bonus there
     (a large one decides the arg-max; where nothing leans the distribution is unchanged); a
     chain drafter trains with `copy_bonus`."""
-    from clover.train.drafter import copy_leans, lean_to_copies, train_drafter
+    from clover.train.drafter import copy_lean_rows, copy_leans, lean_to_copies, train_drafter
 
     tokens = [7, 8, 9, 7, 8, 5, 6, 7]
     # start 4 ([7 8 9 7 8] committed): (7, 8) was followed by 9; then (8, 5), (5, 6) never.
@@ -1026,13 +1027,13 @@ def test_copy_leans_and_training_as_the_decoder_drafts(tiny_checkpoint, data, tm
     ids = torch.tensor([tokens, tokens])
     n, starts = torch.tensor([8, 8]), torch.tensor([[4, 3], [6, 4]])
     logp = torch.randn(2, 2, 3, 12).log_softmax(-1)
-    leaned = lean_to_copies(logp, ids, n, starts, 50.0, None)
+    leaned = lean_to_copies(logp, copy_lean_rows(ids, n, starts, 3, None), 50.0)
     assert int(leaned[0, 0, 0].argmax()) == 9 and int(leaned[0, 1, 1].argmax()) == 9
     torch.testing.assert_close(leaned[0, 0, 1], logp[0, 0, 1])  # nothing leans there
     torch.testing.assert_close(leaned[1, 0], logp[1, 0])
     index = torch.full((12,), -1)
     index[torch.tensor([5, 7, 9])] = torch.tensor([0, 1, 2])  # a head of 3 rows
-    small = lean_to_copies(logp[..., :3], ids, n, starts, 50.0, index)
+    small = lean_to_copies(logp[..., :3], copy_lean_rows(ids, n, starts, 3, index), 50.0)
     assert int(small[0, 0, 0].argmax()) == 2 and int(small[1, 1, 0].argmax()) == 2
     cfg = drafter_config(tiny_checkpoint, data, tmp_path / "lean", steps=3, chain=True,
                          copy_bonus=4.0, eval_every=3)  # fmt: skip

@@ -507,9 +507,8 @@ class BatchDecoder:
             return
         first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
         mask_id = self.config.mask_token_id
-        picked: list[torch.Tensor] = []  # a chain drafter's drafts, position by position
         qs: list[list[torch.Tensor]] = [[] for _ in lengths]  # a sampling row's q, [1, V] each
-        tails: list[list[int]] = [[] for _ in lengths]  # each row's drafts so far
+        tails: list[list[int]] = [[] for _ in lengths]  # a chain drafter's drafts of each row
 
         def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
             """A chain drafter's draft at position i + 1 of every row (logits [B, V]): the
@@ -529,7 +528,6 @@ class BatchDecoder:
                     drawn, q = draw_drafts(logits[b : b + 1], r.sampling, r.gen)
                     ids[b] = drawn[0]
                     qs[b].append(q)
-            picked.append(ids)
             for b, t in enumerate(ids.tolist()):
                 tails[b].append(t)
             return ids
@@ -538,7 +536,7 @@ class BatchDecoder:
             logits = self.drafting.draft(first, max(lengths) + 1, pick)  # [B, w - 1, V]
             if mask_id is not None:
                 logits[..., mask_id] = float("-inf")
-            chosen = torch.stack(picked, 1).tolist() if picked else None
+            chosen = tails if tails[0] else None  # a block drafter never picks
             for b, (r, n, row_logits) in enumerate(zip(self.active, lengths, logits)):
                 if n:
                     drawn = None if chosen is None else (

@@ -388,17 +388,24 @@ def copy_leans(tokens: list[int], starts: list[int], depth: int) -> list[list[in
     return [out[p] for p in starts]
 
 
-def lean_to_copies(logp: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, starts: torch.Tensor,
-                   bonus: float, index: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """logp [N, S, B-1, V'] of blocks at starts [N, S] -> the same with `bonus` added to the
-    logit each draft leans to (`copy_leans`; `index`: token id -> head row), renormalised."""
-    N, S, D, _ = logp.shape
-    lean = torch.full((N, S, D), -1, dtype=torch.long)
+def copy_lean_rows(ids: torch.Tensor, n: torch.Tensor, starts: torch.Tensor, depth: int,
+                   index: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """The head row [N, S, depth] each draft of the blocks at starts [N, S] of the sequences
+    ids [N, L] (n[i] real) leans to (`copy_leans`; `index`: token id -> head row), -1 where
+    none does."""
+    N, S = starts.shape
+    lean = torch.full((N, S, depth), -1, dtype=torch.long)
     for i in range(N):
-        rows = copy_leans(ids[i, : int(n[i])].tolist(), starts[i].tolist(), D)
+        rows = copy_leans(ids[i, : int(n[i])].tolist(), starts[i].tolist(), depth)
         lean[i] = torch.tensor([[-1 if t is None else t for t in r] for r in rows])
     if index is not None:
         lean = torch.where(lean >= 0, index[lean.clamp(min=0)], -1)
+    return lean
+
+
+def lean_to_copies(logp: torch.Tensor, lean: torch.Tensor, bonus: float) -> torch.Tensor:
+    """logp [..., V'] -> the same with `bonus` added at the head rows `lean` [...] (-1: none;
+    `copy_lean_rows`), renormalised."""
     add = torch.where(lean >= 0, bonus, 0.0).to(logp.device)[..., None]
     return logp.scatter_add(-1, lean.clamp(min=0).to(logp.device)[..., None], add).log_softmax(-1)
 
@@ -421,7 +428,8 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     weight = torch.exp(-(torch.arange(B - 1).float()) / cfg.decay)[None, None] * valid
     index = head_index(rows, drafter.config.vocab_size)
     if cfg.copy_bonus and drafter.config.chain:
-        logp = lean_to_copies(logp, ids, n, starts, cfg.copy_bonus, index)
+        lean = copy_lean_rows(ids, n, starts, B - 1, index)
+        logp = lean_to_copies(logp, lean, cfg.copy_bonus)
     if cfg.loss == "ce":
         at = labels if index is None else index[labels]
         per = -logp.gather(-1, at.clamp(min=0)[..., None])[..., 0]
@@ -535,13 +543,12 @@ def start_from_file(drafter: object, target: torch.nn.Module, path: Path) -> Non
         raise CloverError(f"init: {path} is another shape of drafter: {', '.join(differ)}")
     missing, _ = drafter.load_state_dict({k: v.float() for k, v in other.state_dict().items()},
                                          strict=False)  # fmt: skip
-    added = set(range(o.num_hidden_layers, c.num_hidden_layers))
-    if any(int(k.split(".")[1]) not in added for k in missing if k.startswith("layers.")) or any(
-        not k.startswith("layers.") for k in missing
-    ):
+    added = range(o.num_hidden_layers, c.num_hidden_layers)
+    grown = {k for k in drafter.state_dict() if k.startswith(tuple(f"layers.{i}." for i in added))}
+    if set(missing) != grown:
         raise CloverError(f"init: {path} lacks weights this drafter needs: {sorted(missing)}")
     with torch.no_grad():
-        for i in sorted(added):  # residual branches that add nothing yet
+        for i in added:  # residual branches that add nothing yet
             drafter.layers[i].self_attn.o_proj.weight.zero_()
             drafter.layers[i].mlp.down_proj.weight.zero_()
     drafter.set_vocab(other.vocab)
