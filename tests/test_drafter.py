@@ -1039,3 +1039,104 @@ def test_copy_leans_and_training_as_the_decoder_drafts(tiny_checkpoint, data, tm
                          copy_bonus=4.0, eval_every=3)  # fmt: skip
     last = train_drafter(cfg, progress=False)
     assert math.isfinite(last["loss"]) and "accepted" in last["heldout"]
+
+
+# --- trees of drafts ---------------------------------------------------------------------------
+
+
+def test_a_tree_pass_gives_each_branch_what_its_own_chain_gives():
+    """One pass over a tree of tokens (each seeing the prefix and its own ancestors, at the
+    position of its depth) gives every token the hidden state a causal pass over its branch
+    alone gives; a chain's parents give the causal layout exactly."""
+    from clover.models.layout import cached_layout, tree_parts
+
+    model = tiny_model(seed=3)
+    prefix = [5, 6, 7, 8, 9]
+    # root 10, then 11 and 12 both after 10, 13 after 11, 14 after 12
+    tokens, parents = [10, 11, 12, 13, 14], [-1, 0, 0, 1, 2]
+    cache = model.make_cache(1)
+    model(torch.tensor([prefix]), cache, "causal")
+    T = len(tokens)
+    with torch.no_grad():
+        tree = model(torch.tensor([tokens]), cache, "block", n_commit=T,
+                     tree=torch.tensor([parents]))[0]  # fmt: skip
+    for node, branch in {1: [10, 11], 2: [10, 12], 3: [10, 11, 13], 4: [10, 12, 14]}.items():
+        with torch.no_grad():
+            alone = model(torch.tensor([prefix + branch]), None, "causal")[0, -1]
+        assert torch.allclose(tree[node], alone, atol=1e-5), node
+    depth, sees = tree_parts(torch.tensor([[-1, 0, 1, 2]]))
+    assert depth.tolist() == [[0, 1, 2, 3]] and torch.equal(sees[0], torch.ones(4, 4).tril().bool())
+    n, lengths = torch.tensor([4]), torch.tensor([7])
+    chain = cached_layout(n, torch.tensor([0]), lengths, 4, torch.tensor([[-1, 0, 1, 2]]))
+    plain = cached_layout(n, torch.tensor([0]), lengths, 4)
+    assert torch.equal(chain.mask, plain.mask) and torch.equal(chain.positions, plain.positions)
+    with pytest.raises(ValueError, match="before it"):
+        tree_parts(torch.tensor([[-1, 2, 0]]))
+
+
+def test_leaf_tree_keeps_the_likeliest_branches():
+    from clover.decoding.drafting import leaf_tree
+
+    logp = torch.full((3, 6), -30.0)
+    logp[0, 1], logp[0, 2] = math.log(0.6), math.log(0.4)  # depth 0: 1 (0.6) or 2 (0.4)
+    logp[1, 3], logp[1, 4] = math.log(0.9), math.log(0.1)  # after 1: 3 (0.9) or 4
+    logp[2, 5], logp[2, 0] = math.log(0.5), math.log(0.5)  # after 1 3: 5 or 0 (a tie)
+    tokens, parents = leaf_tree(logp, [1, 3, 5], nodes=4)
+    # branch values: 1 0.6, 1-3 0.54, 2 0.4, 1-3-5 0.27 = 1-3-0 0.27, 1-4 0.06
+    assert tokens == [1, 2, 3] + tokens[3:] and len(tokens) == 4
+    assert parents[:3] == [-1, -1, 0] and parents[3] == 2 and tokens[3] in (5, 0)
+    assert leaf_tree(logp, [1, 3, 5], nodes=3) == ([1, 2, 3], [-1, -1, 0])
+    assert leaf_tree(logp, [1, 3, 5], nodes=1) == ([1], [-1])
+    tokens, parents = leaf_tree(logp, [1, 3, 5], nodes=100, widest=2)  # at most 1 other a depth
+    assert sorted(tokens) == [0, 1, 2, 3, 4, 5] and parents == [-1, -1, 0, 0, 2, 2]
+    assert leaf_tree(logp, [], nodes=4) == ([], [])
+
+
+@pytest.mark.parametrize("draft", ["drafter", "drafter+lookup"])
+@pytest.mark.parametrize("chain", [False, True])
+def test_tree_drafts_are_lossless_batched(draft, chain, monkeypatch):
+    """self_spec verifying trees of drafter drafts: float32 greedy answers token-identical to
+    ar, rows of different lengths together (with a sampling row, which drafts chains);
+    branches other than the first are kept (their cache entries move up behind the root)."""
+    from clover.decoding.policies import SelfSpec
+    from clover.decoding.rows import SpecRow
+    from clover.models.cache import KVCache
+
+    moved = []
+    compact = KVCache.compact
+    monkeypatch.setattr(KVCache, "compact", lambda self, *a: (moved.append(a), compact(self, *a)))
+    kept = []
+    verify = SpecRow._verify_tree
+    monkeypatch.setattr(SpecRow, "_verify_tree",
+                        lambda self, *a: kept.append(verify(self, *a)) or kept[-1])  # fmt: skip
+    model = attached(tiny_model(seed=3), chain=chain)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    ar = decoded(model, prompts, "ar", 24)
+    policy = SelfSpec(block_size=4, draft=draft, adaptive=False, tree=9)
+    spec = decoded(model, prompts, policy, 24)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert kept and any(path for path, _ in kept)  # trees were verified, drafts kept
+    assert moved  # some kept branch was not the tree's first
+    assert max(max(r.accepted, default=0) for r in spec) <= 3  # no deeper than the chain
+
+
+def test_tree_drafts_are_refused_where_they_cannot_run():
+    from clover.bench.common import DecoderConfig
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import SelfSpec
+    from tests.test_clover_arch import tiny
+
+    name = "self_spec:16:drafter:fixed:tree15"
+    config = DecoderConfig.parse(name)
+    assert (config.tree, config.adaptive, config.name) == (15, False, name)
+    assert DecoderConfig.parse("self_spec:16:drafter:tree31").adaptive
+    for bad in ("self_spec:16:lookup:tree15", "self_spec:16:drafter:tree", "self_spec:4:drafter:x"):
+        with pytest.raises(CloverError):
+            DecoderConfig.parse(bad)
+    with pytest.raises(CloverError, match="from a drafter"):
+        SelfSpec(block_size=4, draft="lookup", tree=4)
+    hybrid = tiny()  # Gated DeltaNet layers: a recurrent state follows one sequence
+    with pytest.raises(CloverError, match="recurrent"):
+        for _ in generate(hybrid, [[5, 6, 7]], SelfSpec(block_size=4, draft="drafter", tree=4),
+                          max_new_tokens=4):  # fmt: skip
+            pass

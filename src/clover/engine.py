@@ -44,6 +44,7 @@ class GenerationSettings:
     # self_spec: context and store draft lengths follow this machine's pass costs (True) or
     # are always the most the block allows (False: `fixed`)
     adaptive: bool = True
+    tree: int = 0  # self_spec with a drafter: verify trees of this many drafts (0: chains)
     # makes a fresh LogitsConstraint for each answer (clover.decoding.constraints), or None
     constraint: Callable[[], object] | None = field(default=None, compare=False)
 
@@ -57,6 +58,7 @@ class GenerationSettings:
             self.draft,
             self.slide,
             self.adaptive,
+            self.tree,
         )
 
 

@@ -5,9 +5,10 @@ A config string is `decoder[:block[:threshold]]`: `ar`, `low_confidence:32:0.95`
 `self_spec:4`; `low_confidence:4:0.9:slide` is the sliding window; a self_spec draft source
 other than the block's masks is a third field: `self_spec:4:lookup`,
 `self_spec:4:mask+lookup`, and a fourth, `fixed`, drafts the most the block allows instead of
-what this machine's pass costs make pay (`self_spec:16:lookup+store:fixed`). It is what the
-CLI takes and what the results files use as row names, so a row in a JSON file can be pasted
-back onto the command line.
+what this machine's pass costs make pay (`self_spec:16:lookup+store:fixed`); a drafter's
+drafts verified as a tree of N tokens add `treeN` (`self_spec:16:drafter:fixed:tree15`). It is
+what the CLI takes and what the results files use as row names, so a row in a JSON file can
+be pasted back onto the command line.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class DecoderConfig:
     draft: str = "mask"  # self_spec only
     slide: bool = False  # low_confidence only: a sliding window
     adaptive: bool = True  # self_spec only: False (`:fixed`) drafts the most the block allows
+    tree: int = 0  # self_spec with a drafter: `:treeN`, trees of N drafted tokens
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
@@ -46,6 +48,8 @@ class DecoderConfig:
             raise CloverError(f"draft {self.draft!r}: self_spec takes one of {', '.join(DRAFTS)}")
         if not self.adaptive and self.decoder != "self_spec":
             raise CloverError("fixed draft lengths are a self_spec option")
+        if self.tree and "drafter" not in self.draft:
+            raise CloverError("trees of drafts are a self_spec option with a drafter")
 
     @classmethod
     def parse(cls, text: str) -> DecoderConfig:
@@ -58,16 +62,19 @@ class DecoderConfig:
                     raise ValueError(parts[3])
                 threshold = float(parts[2]) if len(parts) >= 3 else 0.95
                 return cls("low_confidence", int(parts[1]), threshold, slide=len(parts) == 4)
-            if parts[0] == "self_spec" and len(parts) in (2, 3, 4):
-                if len(parts) == 4 and parts[3] != "fixed":
-                    raise ValueError(parts[3])
+            if parts[0] == "self_spec" and len(parts) in (2, 3, 4, 5):
+                options = parts[3:]
+                tree = [int(o[4:]) for o in options if o.startswith("tree") and o[4:].isdigit()]
+                if len(tree) + options.count("fixed") != len(options) or len(tree) > 1:
+                    raise ValueError(options)
                 draft = parts[2] if len(parts) >= 3 else "mask"
-                return cls("self_spec", int(parts[1]), draft=draft, adaptive=len(parts) < 4)
+                fixed, nodes = "fixed" in options, tree[0] if tree else 0
+                return cls("self_spec", int(parts[1]), draft=draft, adaptive=not fixed, tree=nodes)
         except ValueError:
             pass
         raise CloverError(
             f"config {text!r}: use ar, low_confidence:BLOCK[:THRESHOLD[:slide]] or "
-            f"self_spec:BLOCK[:{'|'.join(DRAFTS)}[:fixed]]"
+            f"self_spec:BLOCK[:{'|'.join(DRAFTS)}[:fixed][:treeN]]"
         )
 
     @property
@@ -76,7 +83,8 @@ class DecoderConfig:
             return "ar"
         if self.decoder == "self_spec":
             tail = "" if self.draft == "mask" and self.adaptive else f":{self.draft}"
-            return f"self_spec:{self.block_size}{tail}{'' if self.adaptive else ':fixed'}"
+            tree = f":tree{self.tree}" if self.tree else ""
+            return f"self_spec:{self.block_size}{tail}{'' if self.adaptive else ':fixed'}{tree}"
         tail = ":slide" if self.slide else ""
         return f"low_confidence:{self.block_size}:{self.threshold:g}{tail}"
 
@@ -91,6 +99,7 @@ class DecoderConfig:
             draft=self.draft,
             slide=self.slide,
             adaptive=self.adaptive,
+            tree=self.tree,
         )
 
     def policy(self) -> object:
@@ -103,6 +112,7 @@ class DecoderConfig:
             draft=self.draft,
             slide=self.slide,
             adaptive=self.adaptive,
+            tree=self.tree,
         )
 
 

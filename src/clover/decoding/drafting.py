@@ -26,6 +26,52 @@ from clover.models.drafter import Drafter
 Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (position, logits [B, V]) -> ids [B]
 
 
+def leaf_tree(
+    logits: torch.Tensor, chain: list[int], nodes: int, widest: int = 8
+) -> tuple[list[int], list[int]]:
+    """A tree of `nodes` drafts from a chain drafter's logits [n, V] at its n depths and the
+    chain it drafted (each depth's pick, read by the next depth's pass): the chain's nodes and,
+    beside them, other guesses at each depth (up to widest - 1, hanging on the chain's node
+    before: the drafter gave their logits in the same pass, so they cost no drafter pass, but
+    nothing is drafted after them). Every candidate is worth the drafter's probability of the
+    branch that ends in it; the `nodes` likeliest are kept (EAGLE-2's rule, Li et al. 2024,
+    on a tree whose only deep branch is the chain); a parent is always worth at least its
+    children, so the kept set is a tree. -> (tokens, parents: index of each token's parent
+    among them, -1 for the root; parents come first)."""
+    n = min(len(chain), logits.shape[0])
+    if n == 0 or nodes < 1:
+        return [], []
+    logp = torch.log_softmax(logits[:n].float(), -1)
+    top = logp.topk(min(widest, logp.shape[-1]), -1)
+    on = logp[torch.arange(n), torch.tensor(chain[:n])]
+    upto = torch.cumsum(on, 0).tolist()  # the chain's branch to each depth
+    cands = []  # (value, depth, rank, token, on the chain)
+    for d in range(n):
+        before = upto[d - 1] if d else 0.0
+        cands.append((upto[d], d, 0, chain[d], True))
+        others = [(v, t) for v, t in zip(top.values[d].tolist(), top.indices[d].tolist())
+                  if t != chain[d] and v > float("-inf")]  # fmt: skip
+        for r, (v, t) in enumerate(others[: widest - 1]):
+            cands.append((before + v, d, r + 1, t, False))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    kept_chain, picked = 0, []  # chain depths kept so far (a prefix), picked candidates
+    for _, d, r, t, on_chain in cands:
+        if len(picked) == nodes:
+            break
+        if d > kept_chain:  # its parent (the chain at depth d - 1) is not in (ties, -inf)
+            continue
+        picked.append((d, r, t))
+        kept_chain += on_chain and d == kept_chain
+    picked.sort()  # by depth, the chain's node first: every parent before its children
+    tokens, parents, chain_at = [], [], {}
+    for d, r, t in picked:
+        parents.append(chain_at[d - 1] if d else -1)
+        if r == 0:
+            chain_at[d] = len(tokens)
+        tokens.append(t)
+    return tokens, parents
+
+
 class DrafterRunner:
     BACKLOG = 256  # tokens whose features may wait for a row's next draft
     # a chain drafter's logit at each position gains this much on the token that followed the

@@ -29,7 +29,7 @@ import torch
 
 from clover.decoding.constraints import LogitsConstraint
 from clover.decoding.costs import PassCosts, model_costs, relax_shared
-from clover.decoding.drafting import DrafterRunner
+from clover.decoding.drafting import DrafterRunner, leaf_tree
 from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, draw_drafts, first_eos
@@ -75,6 +75,11 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
         )
     if policy.speculative and not config.shifted:
         raise CloverError("self_spec needs a token-shifted model (config.shifted = true)")
+    if getattr(policy, "tree", 0) and any(c.recurrent for c in model.make_cache(1).layers):
+        raise CloverError(
+            "trees of drafts need a model without recurrent layers (their state follows one "
+            "sequence): drop the tree option"
+        )
     if policy.speculative and "drafter" in policy.draft and getattr(model, "drafter", None) is None:
         raise CloverError(
             f"draft {policy.draft!r} needs a drafter for this model: load one with --drafter "
@@ -404,9 +409,16 @@ class BatchDecoder:
             n_valid = torch.tensor([len(t) for t, _ in plans])
             n_commit = torch.tensor([c for _, c in plans])
             capture = self.drafting.layers if self.drafting is not None else ()
+            trees = [r.tree() if isinstance(r, SpecRow) else None for r in active]
+            tree = None
+            if any(t is not None for t in trees):  # rows verifying trees of drafts
+                tree = torch.arange(-1, T - 1).repeat(len(active), 1)
+                for k, t in enumerate(trees):
+                    if t is not None:
+                        tree[k, : len(t)] = torch.tensor(t)
             with torch.inference_mode():
                 hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid,
-                               capture=capture)  # fmt: skip
+                               capture=capture, tree=tree)  # fmt: skip
             if capture:
                 hidden, features = hidden
             for r, (tokens, n) in zip(active, plans):
@@ -466,6 +478,17 @@ class BatchDecoder:
                 r.result.steps += r.block_steps[: len(final) - len(r.result.steps)]
             r.result.finish_reason = reason
             event.finished[r.index] = reason
+        for k, r in enumerate(active):  # a tree's kept branch moves up behind its root
+            branch = getattr(r, "kept_branch", None)
+            if branch:
+                start = int(self.cache.lengths[k] - n_commit[k])  # the pass's first slot
+                first = plans[k][1] - int(rollback[k]) - len(branch)  # where the branch goes
+                with torch.inference_mode():
+                    self.cache.compact(k, start + first, [start + i for i in branch])
+                    if capture:
+                        features[k, first : first + len(branch)] = features[k, branch]
+                end = len(r.committed) - plans[k][1] + first
+                r.committed[end : end + len(branch)] = [plans[k][0][i] for i in branch]
         if bool(rollback.any()):
             self.cache.rollback(rollback)
             for r, n in zip(active, rollback.tolist()):
@@ -538,10 +561,17 @@ class BatchDecoder:
                 logits[..., mask_id] = float("-inf")
             chosen = tails if tails[0] else None  # a block drafter never picks
             for b, (r, n, row_logits) in enumerate(zip(self.active, lengths, logits)):
-                if n:
-                    drawn = None if chosen is None else (
-                        chosen[b][:n], torch.cat(qs[b]) if qs[b] else None)  # fmt: skip
-                    r.take_drafts(row_logits[:n], r.sampling, drawn)
+                if not n:
+                    continue
+                if r.policy.tree and r.sampling.greedy and r.constraint is None:
+                    picks = chosen[b] if chosen is not None else row_logits.argmax(-1).tolist()
+                    chain = picks[:n]
+                    tokens, parents = leaf_tree(row_logits[:n], chain, r.policy.tree)
+                    r.take_drafts(row_logits[:n], r.sampling, (tokens, None), parents)
+                    continue
+                drawn = None if chosen is None else (
+                    chosen[b][:n], torch.cat(qs[b]) if qs[b] else None)  # fmt: skip
+                r.take_drafts(row_logits[:n], r.sampling, drawn)
 
 
 def generate(

@@ -98,6 +98,10 @@ class SelfSpec(Policy):
     # lookup / drafter drafts as long as this machine's pass costs and the row's acceptance
     # make them pay (decoding/costs.py), AR steps while they do not; False: always the most
     adaptive: bool = True
+    # > 0: a drafter's drafts form a tree of this many tokens, verified in one pass (greedy
+    # rows; `drafting.leaf_tree`): its best chain plus the likeliest other guesses at each
+    # depth. 0: the chain alone
+    tree: int = 0
     name: str = "self_spec"
     speculative = True
 
@@ -109,6 +113,10 @@ class SelfSpec(Policy):
             raise CloverError(f"refine_steps must be >= 0, got {self.refine_steps!r}")
         if self.draft not in DRAFTS:
             raise CloverError(f"draft {self.draft!r}: choose one of {', '.join(DRAFTS)}")
+        if not isinstance(self.tree, int) or self.tree < 0:
+            raise CloverError(f"tree must be a number of drafted tokens >= 0, got {self.tree!r}")
+        if self.tree and "drafter" not in self.draft:
+            raise CloverError(f"tree drafts come from a drafter; draft {self.draft!r} has none")
 
     def needs_mask(self, shifted: bool) -> bool:
         return "mask" in self.draft  # lookup drafts feed only real tokens
@@ -125,18 +133,25 @@ def make_policy(
     draft: str = "mask",
     slide: bool = False,
     adaptive: bool = True,
+    tree: int = 0,
 ) -> Policy:
     if slide and name != "low_confidence":
         raise CloverError(f"slide is a low_confidence option (the decoder here is {name})")
     if not adaptive and name != "self_spec":
         raise CloverError(f"fixed draft lengths are a self_spec option (the decoder is {name})")
+    if tree and name != "self_spec":
+        raise CloverError(f"trees of drafts are a self_spec option (the decoder is {name})")
     if name == "ar":
         return Policy()
     if name == "low_confidence":
         return LowConfidence(block_size=block_size, threshold=threshold, slide=slide)
     if name == "self_spec":
         return SelfSpec(
-            block_size=block_size, refine_steps=refine_steps, draft=draft, adaptive=adaptive
+            block_size=block_size,
+            refine_steps=refine_steps,
+            draft=draft,
+            adaptive=adaptive,
+            tree=tree,
         )
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")
 

@@ -352,6 +352,12 @@ class SpecRow(Row):
         super().__init__(*args)
         self.draft: list[int] = []
         self.draft_q: torch.Tensor | None = None  # [len(draft), V] what drafts were drawn from
+        # a tree of drafts (`policy.tree`): each draft's parent among the drafts (-1: it
+        # follows the last certain token); None: the drafts are a chain
+        self.parents: list[int] | None = None
+        # after a tree pass: the pass indices of the drafts kept (the loop moves their cache
+        # entries and features into place) and their tokens
+        self.kept_branch: list[int] | None = None
         self.refine_left = 0
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self._from_context = False  # the planned pass's draft came from a context lookup
@@ -387,7 +393,16 @@ class SpecRow(Row):
         found = self._lookup()
         if found:  # a context match beats the block's or the drafter's guess
             self.draft, self.draft_q, self._from_context = found, None, True
+            self.parents = None
         return self._verify_plan(mask_id)
+
+    def tree(self) -> list[int] | None:
+        """The planned pass's parents (`layout.tree_parts`) when its drafts are a tree: the
+        certain tokens a chain, each draft on its parent (-1: on the last certain token)."""
+        if self.parents is None or self.refining:
+            return None
+        P = len(self.pending)
+        return list(range(-1, P - 1)) + [P - 1 if p < 0 else P + p for p in self.parents]
 
     def _lookup(self) -> list[int]:
         """The context-lookup draft for the next pass ([] without lookup or a paying match).
@@ -439,12 +454,15 @@ class SpecRow(Row):
         logits: torch.Tensor,
         sampling: SamplingParams,
         drawn: tuple[list[int], torch.Tensor | None] | None = None,
+        parents: list[int] | None = None,
     ) -> None:
         """The drafter's logits [k, V] for the next k positions -> this row's next draft
-        (`drawn`: the draft and its q already drawn from them, by a chain drafter)."""
+        (`drawn`: the draft and its q already drawn from them, by a chain drafter; with
+        `parents`, a tree of drafts, `drawn`'s tokens its nodes)."""
         self.draft, self.draft_q = (
             drawn if drawn is not None else draw_drafts(logits, sampling, self.gen)
         )
+        self.parents = parents
 
     def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
         """[certain | draft to verify | masked block (draft="mask*" only)]."""
@@ -490,13 +508,25 @@ class SpecRow(Row):
             return self._refine(logits, sampling, eos)
         nv = self._n_verify
         verify, drafted = logits[:nv], logits[nv:]
-        if sampling.greedy or self.constraint is not None:
+        self.kept_branch = None
+        if self.parents is not None:
+            ar = None
+            if sampled is not None and self.constraint is None:
+                ar = sampled[0][:nv].tolist()
+            path, token = self._verify_tree(verify, sampling, ar)
+            accepted = len(path)
+            P = len(self.pending)
+            self.kept_branch = [P + a for a in path]
+            chain = [self.draft[a] for a in path]
+        elif sampling.greedy or self.constraint is not None:
             ar = None
             if sampled is not None and self.constraint is None:
                 ar = sampled[0][:nv].tolist()
             accepted, token = self._verify_exact(verify, sampling, ar)
         else:
             accepted, token = self._verify_sampled(verify, sampling)
+        if self.parents is None:
+            chain = self.draft[:accepted]
         if self.draft:
             source = "drafter" if self.uses_drafter else "mask"
             source = self._source if self._from_context else source
@@ -504,16 +534,17 @@ class SpecRow(Row):
             tally[0] += len(self.draft)
             tally[1] += accepted
             self.result.accepted.append(accepted)
-            if source in self.acceptance:
-                self.acceptance[source].update(len(self.draft), accepted)
+            if source in self.acceptance:  # a tree: as a chain as deep as its deepest branch
+                deepest = len(self.draft) if self.parents is None else self._depth()
+                self.acceptance[source].update(deepest, accepted)
         for a in self.acceptance.values():
             a.relax()
         self._from_context = False
         rollback = len(self.draft) - accepted
-        new = self.draft[:accepted] + [token]
+        new = chain + [token]
         start = self._append(new)
         room = self.max_new - len(self.answer) - 1  # the next pass always adds one AR token
-        self.draft_q = None
+        self.draft_q, self.parents = None, None
         if self.masks and rollback == 0 and room > 0 and first_eos(new, eos) is None:
             self.draft, self.draft_q = draw_drafts(drafted[:room], sampling, self.gen)
             self.refine_left = self.policy.refine_steps
@@ -538,6 +569,36 @@ class SpecRow(Row):
                 continue
             return i, tok
         raise AssertionError("a verify pass has one position more than its draft")
+
+    def _verify_tree(
+        self, verify: torch.Tensor, sampling: SamplingParams, ar: list[int] | None = None
+    ) -> tuple[list[int], int]:
+        """`_verify_exact` over a tree: from the last certain token (verify row 0; draft i's
+        output is row i + 1), the AR token at the current node, then on to the child that
+        drafted it while there is one. -> (the drafts kept, in order; the token after them)."""
+        children: dict[int, dict[int, int]] = {}
+        for i, (p, t) in enumerate(zip(self.parents, self.draft)):
+            children.setdefault(p, {}).setdefault(t, i)  # the first of equal siblings
+        path, node = [], -1
+        while True:
+            row = node + 1
+            if ar is not None:
+                tok = ar[row]
+            elif self.constraint is not None:
+                tok = self.constrained(verify[row], len(self.answer) + len(path), sampling)
+            else:
+                tok = int(sample(verify[row : row + 1], sampling, self.gen)[0][0])
+            nxt = children.get(node, {}).get(tok)
+            if nxt is None:
+                return path, tok
+            path.append(nxt)
+            node = nxt
+
+    def _depth(self) -> int:
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth, default=0)
 
     def _verify_sampled(self, verify: torch.Tensor, sampling: SamplingParams) -> tuple[int, int]:
         """Speculative sampling: draft token d, drawn from q, is kept with probability

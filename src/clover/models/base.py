@@ -107,6 +107,7 @@ class DiffusionLM(nn.Module):
         n_valid: torch.Tensor | int | None = None,
         layout: StepLayout | None = None,
         capture: tuple[int, ...] = (),
+        tree: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> hidden [B, T, D].
 
@@ -114,6 +115,9 @@ class DiffusionLM(nn.Module):
         "block" only, default 0): leading tokens committed causally before the block.
         capture: layer ids whose outputs to return too (a drafter's features, cached modes):
         then -> (hidden, features float32 [B, T, len(capture) * D], in capture's order).
+        tree [B, T] (mode "block"): each token's parent in the pass, when a row's committed
+        tokens are a tree of drafts (`layout.cached_layout`); models with recurrent layers
+        cannot verify trees (their state follows one sequence).
         """
         B, T = input_ids.shape
         if mode == "train":
@@ -134,8 +138,10 @@ class DiffusionLM(nn.Module):
             block = valid - commit
             if bool((block < 0).any()):
                 raise CloverError("n_commit exceeds the number of valid tokens")
+        if tree is not None and any(layer.recurrent for layer in cache.layers):
+            raise CloverError("a tree of drafts needs a model without recurrent layers")
         cache.prepare(T, valid)
-        step = cached_layout(commit, block, cache.lengths, T)
+        step = cached_layout(commit, block, cache.lengths, T, tree)
         step.capture = tuple(capture)
         hidden = self._run(input_ids, step, cache.layers)
         cache.advance(commit)

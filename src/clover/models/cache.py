@@ -56,6 +56,12 @@ class LayerCache:
         """Append other's rows (a sequence joining a running batch)."""
         raise NotImplementedError
 
+    def compact(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Move the entries at `slots` (ascending, each >= its destination) of row to
+        positions start, start + 1, ...: the branch of a tree of drafts that was kept. Only
+        positional caches can."""
+        raise CloverError(f"{type(self).__name__} cannot keep one branch of a tree of drafts")
+
 
 def kv_dtype(model: torch.nn.Module) -> torch.dtype:
     """The K/V cache dtype of a model: `model.kv_cache_dtype` if set, else the embedding
@@ -134,6 +140,12 @@ class KVCache(LayerCache):
         self.k[row, :, start : start + k.shape[1]] = k
         self.v[row, :, start : start + v.shape[1]] = v
 
+    def compact(self, row: int, start: int, slots: torch.Tensor) -> None:
+        slots = slots.to(self.k.device)
+        end = start + len(slots)  # the index reads all sources before the slice is written
+        self.k[row, :, start:end] = self.k[row, :, slots]
+        self.v[row, :, start:end] = self.v[row, :, slots]
+
     def extend(self, other: KVCache) -> None:
         cap = max(self.capacity, other.capacity)
         self.reserve(cap)
@@ -185,6 +197,15 @@ class ModelCache:
         for layer in self.layers:
             layer.rollback(n)
         self.lengths = self.lengths - n
+
+    def compact(self, row: int, start: int, slots: list[int]) -> None:
+        """Row's entries at cache slots `slots` move to start, start + 1, ... in every layer
+        (a tree pass's kept branch, before the rest is rolled back)."""
+        if slots == list(range(start, start + len(slots))):
+            return  # the branch is already in place (a chain, or the tree's first branch)
+        index = torch.tensor(slots, dtype=torch.long, device=self.lengths.device)
+        for layer in self.layers:
+            layer.compact(row, start, index)
 
     def extend(self, other: ModelCache) -> ModelCache:
         """Append other's rows; returns self."""

@@ -32,6 +32,10 @@ class StepLayout:
     # (recurrent ones) that need the block structure rather than a mask
     train: tuple | None = None
     span: tuple[int, int] | None = None  # (min, max) of lengths, once per pass, not per layer
+    # a tree of drafts in this pass (`tree_parts`): each token's parent in the pass, [B, T]
+    # long; None: committed tokens are a causal chain. Fused kernels that know only chains
+    # (a query sees keys up to its own) step aside for it.
+    tree: torch.Tensor | None = None
     # layers whose outputs the caller wants (a drafter's features); backbones `keep` them
     capture: tuple[int, ...] = ()
     captured: list = field(default_factory=list)
@@ -65,14 +69,46 @@ class StepLayout:
         return (t >= nc) & (t < nc + nb)
 
 
+def tree_parts(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, T] long (token t's parent in the pass, < t; -1: it hangs on the prefix)
+    -> (depth [B, T] long, sees [B, T, T] bool: token u is t itself or one of its ancestors).
+    A causal chain is parents t - 1: depth t, sees u <= t."""
+    B, T = parents.shape
+    rows = torch.arange(B, device=parents.device)
+    depth = torch.zeros(B, T, dtype=torch.long, device=parents.device)
+    sees = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
+    for t in range(T):  # parents come first: each token's row copies its parent's
+        p = parents[:, t]
+        up = p >= 0
+        if bool((p >= t).any()):
+            raise ValueError("a token's parent must come before it in the pass")
+        sees[:, t] = torch.where(up[:, None], sees[rows, p.clamp(min=0)], False)
+        sees[:, t, t] = True
+        depth[:, t] = torch.where(up, depth[rows, p.clamp(min=0)] + 1, 0)
+    return depth, sees
+
+
 def cached_layout(
-    n_commit: torch.Tensor, n_block: torch.Tensor, lengths: torch.Tensor, num_tokens: int
+    n_commit: torch.Tensor,
+    n_block: torch.Tensor,
+    lengths: torch.Tensor,
+    num_tokens: int,
+    tree: torch.Tensor | None = None,
 ) -> StepLayout:
-    """Layout for a forward over a KV prefix; keys are cache slots [0, max(lengths) + T)."""
+    """Layout for a forward over a KV prefix; keys are cache slots [0, max(lengths) + T).
+    `tree` [B, T] (parents, `tree_parts`): the committed tokens of a row form a tree (drafts
+    verified in one pass, each branch seeing the prefix and its own ancestors, at the position
+    of its depth) instead of a chain; block tokens keep their rule. Every token still writes
+    its K/V at slot lengths + t: the loop moves the branch it keeps together after the pass
+    (`ModelCache.compact`)."""
     device = lengths.device
     T = num_tokens
     t = torch.arange(T, device=device)
     positions = lengths[:, None] + t[None, :]  # [B, T]
+    sees = None
+    if tree is not None:
+        depth, sees = tree_parts(tree)
+        positions = lengths[:, None] + depth
     span = (int(lengths.min()), int(lengths.max()))
     if T == 1 and span[0] == span[1]:
         # one token per row at a shared length (AR steps): every key slot is visible
@@ -84,8 +120,14 @@ def cached_layout(
     nb = n_block[:, None, None]
     is_block_query = (qi >= nc) & (qi < nc + nb)  # [B, T, 1]
     # Committed queries (and padding) are causal; block queries see the whole block.
-    mask = torch.where(is_block_query, rel < nc + nb, rel <= qi)  # [B, T, S]
-    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None], span=span)
+    committed = rel <= qi
+    if sees is not None:  # the prefix, then the query's own branch of the tree
+        inside = torch.zeros(sees.shape[0], T, S, dtype=torch.bool, device=device)
+        slots = (lengths[:, None] + t[None, :])[:, None, :].expand(-1, T, -1)  # [B, T, T]
+        inside.scatter_(2, slots, sees)
+        committed = (rel < 0) | inside
+    mask = torch.where(is_block_query, rel < nc + nb, committed)  # [B, T, S]
+    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None], span=span, tree=tree)
 
 
 def training_layout(

@@ -240,6 +240,8 @@ class LlamaModel(DiffusionLM):
         live in the modules). Built once, on first use."""
         if caches is None or layout.train is not None or torch.is_grad_enabled():
             return None
+        if layout.tree is not None:  # the kernels' queries see keys up to their own
+            return None
         adapter = getattr(self, "draft_adapter", None)
         if adapter is not None and adapter.tokens.index is not None:
             return None
