@@ -1140,3 +1140,35 @@ def test_tree_drafts_are_refused_where_they_cannot_run():
         for _ in generate(hybrid, [[5, 6, 7]], SelfSpec(block_size=4, draft="drafter", tree=4),
                           max_new_tokens=4):  # fmt: skip
             pass
+
+
+def test_a_grown_tree_drafts_after_each_branch_what_its_chain_drafts(monkeypatch):
+    """A chain drafter's tree (one pass per depth over the frontier, each draft seeing only its
+    own ancestors in the block): every drafted-after node's children are the top tokens the
+    chain drafter gives after that node's branch drafted as a chain."""
+    from clover.decoding.drafting import DrafterRunner
+
+    model = attached(tiny_model(seed=3), chain=True)
+    runner = DrafterRunner(model, model.drafter)
+    monkeypatch.setattr(DrafterRunner, "FRONTIER", 3)
+    with torch.no_grad():
+        _, feats = model(torch.tensor([[5, 6, 7, 8, 9]]), None, "causal", capture=runner.layers)
+    runner.add_row()
+    runner.commit(feats, torch.tensor([5]))
+    first = torch.tensor([10])
+    ((tokens, parents),) = runner.draft_tree(first, 3, [50])
+    assert len(tokens) == 3 + 9 + 9  # the root's 3, 3 each after the 3 + the best 3 of 9
+    assert all(p < i for i, p in enumerate(parents))
+    for node in [-1, *range(len(tokens))]:
+        children = {t for t, p in zip(tokens, parents) if p == node}
+        if not children:
+            continue
+        branch, at = [], node
+        while at >= 0:
+            branch.insert(0, tokens[at])
+            at = parents[at]
+        reads = branch + [0]  # the chain reads the branch's tokens, then anything
+        forced = runner.draft(first, len(branch) + 2, lambda i, _, r=reads: torch.tensor([r[i]]))
+        assert children == set(forced[0, len(branch)].topk(3).indices.tolist()), branch
+    ((small, up),) = runner.draft_tree(first, 3, [4], [2])  # 4 nodes, 2 deep
+    assert len(small) == 4 and all(p < 0 or up[p] < 0 for p in up)

@@ -88,6 +88,13 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="low_confidence: a sliding window of --block-size positions instead of fixed blocks",
     )
+    p.add_argument(
+        "--tree",
+        type=int,
+        default=0,
+        metavar="N",
+        help="self_spec with a drafter: verify a tree of N drafts a pass (greedy; 0: a chain)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -111,6 +118,7 @@ def _settings(a: argparse.Namespace) -> GenerationSettings:
         refine_steps=a.refine_steps,
         draft=a.draft,
         slide=a.slide,
+        tree=a.tree,
     )
 
 

@@ -24,6 +24,7 @@ import torch
 from clover.models.drafter import Drafter
 
 Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (position, logits [B, V]) -> ids [B]
+PAD = -2  # a place in a tree pass that a row with fewer drafts at that depth leaves empty
 
 
 def leaf_tree(
@@ -167,6 +168,133 @@ class DrafterRunner:
                 # the next pass reads its draft (`pick` sees them all)
                 ids = (last.argmax(-1) if pick is None else pick(i, last))[:, None]  # [B, 1]
             return out
+
+    FRONTIER = 8  # a tree's nodes per depth that the drafter drafts after (EAGLE-2's top-k)
+
+    def draft_tree(self, first: torch.Tensor, depth: int, nodes: list[int],
+                   depths: list[int] | None = None,
+                   lean: Callable[[int, list[int]], int | None] | None = None,
+                   mask_id: int | None = None) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+        """A chain drafter's tree of drafts for every row: first [B] (each row's new certain
+        token) -> per row b (tokens, parents) of nodes[b] drafts, parents first (-1: the
+        root), at most `depth` (depths[b]) deep. Per depth one drafter pass over the FRONTIER
+        likeliest drafts of that depth, each at the block position after its parent's, seeing
+        the context, the block's first positions and its own ancestors only; each gives its
+        FRONTIER likeliest next tokens. A draft is worth the drafter's probability of its
+        whole branch; the nodes[b] likeliest of all those drafted are kept (a branch is never
+        worth more than its parent, so they form a tree): EAGLE-2's dynamic tree (Li et al.
+        2024). `lean(row, branch tokens)`: the token each draft leans to (`COPY_BONUS`), as
+        the chain's."""
+        if not self.drafter.config.chain:
+            raise ValueError("trees grow from a chain drafter (a block drafter: leaf_tree)")
+        B, K = len(first), max(1, min(self.FRONTIER, max(nodes)))
+        embed, cache = self.model.model.embed_tokens, self.cache
+        # nodes per row: [token, parent node, depth, value, block slot once drafted after]
+        trees: list[list[list]] = [[] for _ in range(B)]
+
+        def grow(h: torch.Tensor, parents: list[list[int]]) -> None:
+            """h [B, k, D] of drafted-after nodes (parents[b][j]; -1: the root) -> children."""
+            logits = self._logits(h)  # [B, k, V]
+            for b in range(B):
+                for j, p in enumerate(parents[b]):
+                    if p == PAD:
+                        continue
+                    branch = self._branch(trees[b], p)
+                    copy = lean(b, branch) if lean is not None and self.COPY_BONUS else None
+                    if copy is not None:
+                        logits[b, j, copy] += self.COPY_BONUS
+            if mask_id is not None:
+                logits[..., mask_id] = float("-inf")
+            top = torch.log_softmax(logits, -1).topk(K, -1)
+            for b in range(B):
+                for j, p in enumerate(parents[b]):
+                    if p == PAD:
+                        continue
+                    base = trees[b][p][3] if p >= 0 else 0.0
+                    d = trees[b][p][2] + 1 if p >= 0 else 1
+                    for v, t in zip(top.values[b, j].tolist(), top.indices[b, j].tolist()):
+                        if v > float("-inf"):
+                            trees[b].append([t, p, d, base + v, None])
+
+        with torch.inference_mode():
+            ids = torch.stack([first, first], 1)  # block positions 0 and 1 read `first`
+            h = self.drafter.chain_hidden(ids, 0, embed, cache)
+            grow(h[:, -1:], [[-1] for _ in range(B)])
+            offset = 2
+            for d in range(1, depth):
+                # each row's K likeliest drafts at depth d draft after themselves
+                chosen = []
+                for b in range(B):
+                    at = [i for i, n in enumerate(trees[b]) if n[2] == d]
+                    at.sort(key=lambda i: -trees[b][i][3])
+                    chosen.append(at[:K])
+                if max(len(c) for c in chosen) == 0:
+                    break
+                k = max(len(c) for c in chosen)
+                chosen = [c + [PAD] * (k - len(c)) for c in chosen]  # a short row pads
+                for b, c in enumerate(chosen):
+                    for j, i in enumerate(c):
+                        if i != PAD:
+                            trees[b][i][4] = offset + j
+                grow(self._tree_pass(trees, chosen, offset, d, embed), chosen)
+                offset += k
+        depths = depths or [depth] * B
+        return [self._best(t, n, d) for t, n, d in zip(trees, nodes, depths)]
+
+    @staticmethod
+    def _branch(tree: list[list], node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(tree[node][0])
+            node = tree[node][1]
+        return out[::-1]
+
+    def _tree_pass(self, trees: list, chosen: list[list[int]], offset: int, d: int,
+                   embed: torch.nn.Module) -> torch.Tensor:  # fmt: skip
+        """One drafter pass over each row's chosen depth-d drafts, written at block slots
+        offset.., at the position after their parents', each seeing the context, block slots
+        0 and 1 and its own ancestors' slots. -> hidden [B, k, D]."""
+        from clover.models.layout import StepLayout
+
+        cache = self.cache
+        B, k = len(chosen), len(chosen[0])
+        cache.prepare(offset + k)
+        ctx = cache.lengths
+        ids = torch.tensor([[trees[b][i][0] if i != PAD else 0 for i in c]
+                            for b, c in enumerate(chosen)])  # fmt: skip
+        lengths = ctx + offset
+        positions = (ctx + d + 1)[:, None].expand(B, k).contiguous()
+        S = int(lengths.max()) + k
+        rel = torch.arange(S)[None, :] - ctx[:, None]  # [B, S]: slots past each context
+        mask = (rel < 2)[:, None, :].repeat(1, k, 1)  # [B, k, S]
+        for b, c in enumerate(chosen):
+            L = int(ctx[b])
+            for j, i in enumerate(c):
+                node = i
+                if i == PAD:  # sees the context and itself: its outputs are not read
+                    mask[b, j, L + offset + j] = True
+                while node >= 0:  # itself and its ancestors, all drafted after already
+                    mask[b, j, L + trees[b][node][4]] = True
+                    node = trees[b][node][1]
+        zeros = torch.zeros(B, dtype=torch.long)
+        layout = StepLayout(torch.full_like(zeros, k), zeros, lengths, positions, mask[:, None])
+        h = embed(ids.to(embed.weight.device)).to(self.drafter.norm.weight.dtype)
+        return self.drafter._cached_pass(h, layout, cache)
+
+    @staticmethod
+    def _best(tree: list[list], nodes: int, depth: int) -> tuple[list[int], list[int]]:
+        """The `nodes` likeliest drafts of a grown tree, at most `depth` deep, parents first
+        -> (tokens, parents)."""
+        order = sorted(range(len(tree)), key=lambda i: (-tree[i][3], tree[i][2], i))
+        kept: set = set()
+        for i in order:
+            if len(kept) == nodes:
+                break
+            if tree[i][2] <= depth and (tree[i][1] < 0 or tree[i][1] in kept):
+                kept.add(i)
+        ranked = sorted(kept, key=lambda i: (tree[i][2], i))
+        where = {i: j for j, i in enumerate(ranked)}
+        return [tree[i][0] for i in ranked], [where.get(tree[i][1], -1) for i in ranked]
 
     def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """final hidden [B, n, D] -> logits [B, n, V] (the draft vocabulary's, every other

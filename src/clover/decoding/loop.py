@@ -530,6 +530,26 @@ class BatchDecoder:
             return
         first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
         mask_id = self.config.mask_token_id
+        # greedy rows of a tree policy draft trees: a chain drafter grows them (one pass per
+        # depth), a block drafter's are its chain and the other guesses beside it (leaf_tree)
+        grows = self.drafting.drafter.config.chain
+        trees = [n > 0 and bool(r.policy.tree) and r.sampling.greedy and r.constraint is None
+                 for r, n in zip(self.active, lengths)]  # fmt: skip
+        if grows and any(trees):
+            bonus = self.drafting.COPY_BONUS
+            grown = self.drafting.draft_tree(
+                first, max(n for n, t in zip(lengths, trees) if t),
+                [r.policy.tree if t else 0 for r, t in zip(self.active, trees)],
+                [n if t else 0 for n, t in zip(lengths, trees)],
+                (lambda b, branch: self.active[b].context.follower(branch)) if bonus else None,
+                mask_id,
+            )  # fmt: skip
+            for r, t, (tokens, parents) in zip(self.active, trees, grown):
+                if t:
+                    r.take_drafts(None, r.sampling, (tokens, None), parents)
+            lengths = [0 if t else n for n, t in zip(lengths, trees)]
+            if max(lengths) == 0:
+                return
         qs: list[list[torch.Tensor]] = [[] for _ in lengths]  # a sampling row's q, [1, V] each
         tails: list[list[int]] = [[] for _ in lengths]  # a chain drafter's drafts of each row
 
@@ -563,9 +583,8 @@ class BatchDecoder:
             for b, (r, n, row_logits) in enumerate(zip(self.active, lengths, logits)):
                 if not n:
                     continue
-                if r.policy.tree and r.sampling.greedy and r.constraint is None:
-                    picks = chosen[b] if chosen is not None else row_logits.argmax(-1).tolist()
-                    chain = picks[:n]
+                if trees[b]:  # a block drafter's tree
+                    chain = row_logits[:n].argmax(-1).tolist()
                     tokens, parents = leaf_tree(row_logits[:n], chain, r.policy.tree)
                     r.take_drafts(row_logits[:n], r.sampling, (tokens, None), parents)
                     continue
