@@ -464,15 +464,17 @@ def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
     assert capped.cache.lengths.tolist() == [5] and capped.backlog == [[]]
 
 
-def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache():
+@pytest.mark.parametrize("chain, tree", [(False, 0), (True, 6), (False, 6)])
+def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache(chain, tree):
     """A drafting row that joins a running batch prefills alone (its drafter context from
-    that pass); with a prefix cache, a warm request gives the cold one's tokens."""
+    that pass); with a prefix cache, a warm request gives the cold one's tokens (trees of
+    drafts: the committed ids the cache saves are the kept branch's)."""
     from clover.decoding.loop import BatchDecoder
     from clover.decoding.policies import SelfSpec, make_policy
     from clover.decoding.prefix_cache import PrefixCache
 
-    model = attached(tiny_model(seed=4))
-    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    model = attached(tiny_model(seed=4), chain=chain)
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False, tree=tree)
 
     def answer(prompt, prefix=None, join=None):
         batch = BatchDecoder(model, prefix)
@@ -487,6 +489,7 @@ def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache():
 
     prompt = [7, 8, 9, 10, 11, 12, 13, 14]
     cold = answer(prompt)
+    assert cold == decoded(model, [prompt], "ar", 16)[0].tokens
     assert answer(prompt, join=[20, 21, 22]) == cold
     cache = PrefixCache(64 * 2**20)
     assert answer(prompt, cache) == cold

@@ -87,6 +87,9 @@ def test_chat_defaults_and_overrides():
     assert parse_chat({"messages": hi, "slide": True}, LIMITS).settings.slide
     with pytest.raises(APIError, match="slide"):
         parse_chat({"messages": hi, "slide": "yes"}, LIMITS)
+    assert s.tree == 0 and parse_chat({"messages": hi, "tree": 63}, LIMITS).settings.tree == 63
+    with pytest.raises(APIError, match="tree"):
+        parse_chat({"messages": hi, "tree": -1}, LIMITS)
     with pytest.raises(APIError, match="draft must be one of"):
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "draft": "ngram"}, LIMITS)
     assert 0 <= s.seed < 2**31 and req.template_kwargs == {"enable_thinking": True}
@@ -180,6 +183,9 @@ def test_serve_options_check_the_draft_source():
     with pytest.raises(CloverError, match="needs --drafter FILE"):
         ServeOptions(decoder="self_spec", draft="drafter+lookup").check()
     ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors").check()
+    ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors", tree=63).check()
+    with pytest.raises(CloverError, match="--tree grows trees from a drafter"):
+        ServeOptions(decoder="self_spec", draft="lookup", tree=63).check()
     with pytest.raises(CloverError, match="--gguf-wide must be int8 or int4"):
         ServeOptions(wide="int2").check()
 

@@ -483,6 +483,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         threshold=a.threshold,
         draft=a.draft,
         slide=a.slide,
+        tree=a.tree,
         max_tokens=a.max_tokens,
         shutdown_grace=a.shutdown_grace,
         access_log=a.access_log,
@@ -528,6 +529,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="default positions per block (the model's)")
     p.add_argument("--threshold", type=float, default=0.95, help="default commit confidence")
     p.add_argument("--draft", choices=DRAFTS, help="default self_spec draft source")
+    p.add_argument(
+        "--tree",
+        type=int,
+        default=0,
+        metavar="N",
+        help="default self_spec with a drafter: verify a tree of N drafts a pass (greedy)",
+    )
     p.add_argument(
         "--slide", action="store_true", help="low_confidence: a sliding window by default"
     )

@@ -36,6 +36,7 @@ class ServeOptions:
     threshold: float = 0.95
     draft: str | None = None  # self_spec draft source; None: the model's default
     slide: bool = False  # low_confidence: a sliding window by default
+    tree: int = 0  # self_spec with a drafter: verify trees of this many drafts (greedy rows)
     max_tokens: int = 256  # when a request does not say
     shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     access_log: bool = False
@@ -68,6 +69,10 @@ class ServeOptions:
             raise CloverError(f"--draft {self.draft} needs --drafter FILE (clover train drafter)")
         if self.wide not in ("int8", "int4"):
             raise CloverError(f"--gguf-wide must be int8 or int4, got {self.wide!r}")
+        if self.tree < 0:
+            raise CloverError("--tree must be >= 0 (drafts a pass; 0: chains)")
+        if self.tree and (self.draft is None or "drafter" not in self.draft):
+            raise CloverError("--tree grows trees from a drafter: add --draft drafter")
         if self.slide and self.decoder != "low_confidence":
             raise CloverError("--slide is a low_confidence option: add --decoder low_confidence")
         if self.block_size is not None and self.block_size < 1:

@@ -268,6 +268,7 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         refine_steps=_pick(_int(body, "refine_steps", 0, 8), d.refine_steps),
         draft=draft,
         slide=_bool(body, "slide", d.slide),
+        tree=_pick(_int(body, "tree", 0, 1024), d.tree),
     )
     return dict(
         model=model,

@@ -100,7 +100,7 @@ class Runtime:
             scheduler = Scheduler(llm, o.max_running, o.max_queue, o.deterministic)
             defaults = GenerationSettings(
                 decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
-                max_tokens=o.max_tokens, draft=o.draft, slide=o.slide,
+                max_tokens=o.max_tokens, draft=o.draft, slide=o.slide, tree=o.tree,
             )  # fmt: skip
             self.limits = Limits(
                 model_names=(o.served_model_name or llm.name,),
