@@ -541,7 +541,8 @@ class BatchDecoder:
                 first, max(n for n, t in zip(lengths, trees) if t),
                 [r.policy.tree if t else 0 for r, t in zip(self.active, trees)],
                 [n if t else 0 for n, t in zip(lengths, trees)],
-                (lambda b, branch: self.active[b].context.follower(branch)) if bonus else None,
+                (lambda b, branch: self.active[b].context.follower(branch) if trees[b] else None)
+                if bonus else None,
                 mask_id,
             )  # fmt: skip
             for r, t, (tokens, parents) in zip(self.active, trees, grown):
