@@ -25,7 +25,9 @@ values compare chains at each and pick one per fold on the other half of the ite
 
 Counted as `clover bench quality` counts: output tokens (EOS excluded) / target passes
 (prefill included). A tree of N nodes verifies N + 1 positions a pass (its attention mask
-follows the tree); the tokens/s it buys is the pass-cost question (`clover bench passes`).
+follows the tree); the tokens/s it buys is the pass-cost question (`clover bench passes`). The
+decoder verifies trees too (`self_spec:16:drafter:fixed:treeN`), grown by the drafter per depth
+rather than built from these frequencies (README "Trees of drafts").
 """
 
 from __future__ import annotations
