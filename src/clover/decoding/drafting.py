@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from clover.models.drafter import Drafter
+from clover.models.layout import StepLayout
 
 Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (position, logits [B, V]) -> ids [B]
 PAD = -2  # a place in a tree pass that a row with fewer drafts at that depth leaves empty
@@ -46,31 +47,33 @@ def leaf_tree(
     top = logp.topk(min(widest, logp.shape[-1]), -1)
     on = logp[torch.arange(n), torch.tensor(chain[:n])]
     upto = torch.cumsum(on, 0).tolist()  # the chain's branch to each depth
-    cands = []  # (value, depth, rank, token, on the chain)
+    tree: list[list] = []  # as a grown tree's nodes: [token, parent, depth, value, None]
+    parent = -1  # the chain's node before this depth
     for d in range(n):
         before = upto[d - 1] if d else 0.0
-        cands.append((upto[d], d, 0, chain[d], True))
+        tree.append([chain[d], parent, d + 1, upto[d], None])
         others = [(v, t) for v, t in zip(top.values[d].tolist(), top.indices[d].tolist())
                   if t != chain[d] and v > float("-inf")]  # fmt: skip
-        for r, (v, t) in enumerate(others[: widest - 1]):
-            cands.append((before + v, d, r + 1, t, False))
-    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
-    kept_chain, picked = 0, []  # chain depths kept so far (a prefix), picked candidates
-    for _, d, r, t, on_chain in cands:
-        if len(picked) == nodes:
+        for v, t in others[: widest - 1]:
+            tree.append([t, parent, d + 1, before + v, None])
+        parent = len(tree) - 1 - len(others[: widest - 1])
+    return likeliest(tree, nodes, n)
+
+
+def likeliest(tree: list[list], nodes: int, depth: int) -> tuple[list[int], list[int]]:
+    """The `nodes` likeliest drafts of a tree (nodes [token, parent index or -1, depth,
+    value, ...], each parent before its children), at most `depth` deep, parents first ->
+    (tokens, parents). A node is taken only after its parent (ties: the shallower first)."""
+    order = sorted(range(len(tree)), key=lambda i: (-tree[i][3], tree[i][2], i))
+    kept: set = set()
+    for i in order:
+        if len(kept) == nodes:
             break
-        if d > kept_chain:  # its parent (the chain at depth d - 1) is not in (ties, -inf)
-            continue
-        picked.append((d, r, t))
-        kept_chain += on_chain and d == kept_chain
-    picked.sort()  # by depth, the chain's node first: every parent before its children
-    tokens, parents, chain_at = [], [], {}
-    for d, r, t in picked:
-        parents.append(chain_at[d - 1] if d else -1)
-        if r == 0:
-            chain_at[d] = len(tokens)
-        tokens.append(t)
-    return tokens, parents
+        if tree[i][2] <= depth and (tree[i][1] < 0 or tree[i][1] in kept):
+            kept.add(i)
+    ranked = sorted(kept, key=lambda i: (tree[i][2], i))
+    where = {i: j for j, i in enumerate(ranked)}
+    return [tree[i][0] for i in ranked], [where.get(tree[i][1], -1) for i in ranked]
 
 
 class DrafterRunner:
@@ -239,7 +242,7 @@ class DrafterRunner:
                 grow(self._tree_pass(trees, chosen, offset, d, embed), chosen)
                 offset += k
         depths = depths or [depth] * B
-        return [self._best(t, n, d) for t, n, d in zip(trees, nodes, depths)]
+        return [likeliest(t, n, d) for t, n, d in zip(trees, nodes, depths)]
 
     @staticmethod
     def _branch(tree: list[list], node: int) -> list[int]:
@@ -254,8 +257,6 @@ class DrafterRunner:
         """One drafter pass over each row's chosen depth-d drafts, written at block slots
         offset.., at the position after their parents', each seeing the context, block slots
         0 and 1 and its own ancestors' slots. -> hidden [B, k, D]."""
-        from clover.models.layout import StepLayout
-
         cache = self.cache
         B, k = len(chosen), len(chosen[0])
         cache.prepare(offset + k)
@@ -280,21 +281,6 @@ class DrafterRunner:
         layout = StepLayout(torch.full_like(zeros, k), zeros, lengths, positions, mask[:, None])
         h = embed(ids.to(embed.weight.device)).to(self.drafter.norm.weight.dtype)
         return self.drafter._cached_pass(h, layout, cache)
-
-    @staticmethod
-    def _best(tree: list[list], nodes: int, depth: int) -> tuple[list[int], list[int]]:
-        """The `nodes` likeliest drafts of a grown tree, at most `depth` deep, parents first
-        -> (tokens, parents)."""
-        order = sorted(range(len(tree)), key=lambda i: (-tree[i][3], tree[i][2], i))
-        kept: set = set()
-        for i in order:
-            if len(kept) == nodes:
-                break
-            if tree[i][2] <= depth and (tree[i][1] < 0 or tree[i][1] in kept):
-                kept.add(i)
-        ranked = sorted(kept, key=lambda i: (tree[i][2], i))
-        where = {i: j for j, i in enumerate(ranked)}
-        return [tree[i][0] for i in ranked], [where.get(tree[i][1], -1) for i in ranked]
 
     def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """final hidden [B, n, D] -> logits [B, n, V] (the draft vocabulary's, every other

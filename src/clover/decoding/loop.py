@@ -536,13 +536,11 @@ class BatchDecoder:
         trees = [n > 0 and bool(r.policy.tree) and r.sampling.greedy and r.constraint is None
                  for r, n in zip(self.active, lengths)]  # fmt: skip
         if grows and any(trees):
-            bonus = self.drafting.COPY_BONUS
             grown = self.drafting.draft_tree(
                 first, max(n for n, t in zip(lengths, trees) if t),
                 [r.policy.tree if t else 0 for r, t in zip(self.active, trees)],
                 [n if t else 0 for n, t in zip(lengths, trees)],
-                (lambda b, branch: self.active[b].context.follower(branch) if trees[b] else None)
-                if bonus else None,
+                lambda b, branch: self.active[b].context.follower(branch) if trees[b] else None,
                 mask_id,
             )  # fmt: skip
             for r, t, (tokens, parents) in zip(self.active, trees, grown):

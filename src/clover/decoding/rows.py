@@ -356,7 +356,7 @@ class SpecRow(Row):
         # follows the last certain token); None: the drafts are a chain
         self.parents: list[int] | None = None
         # after a tree pass: the pass indices of the drafts kept (the loop moves their cache
-        # entries and features into place) and their tokens
+        # entries and features into place)
         self.kept_branch: list[int] | None = None
         self.refine_left = 0
         self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
@@ -509,19 +509,16 @@ class SpecRow(Row):
         nv = self._n_verify
         verify, drafted = logits[:nv], logits[nv:]
         self.kept_branch = None
+        ar = None  # the greedy tokens of the verify positions, drawn by the loop
+        if sampled is not None and self.constraint is None:
+            ar = sampled[0][:nv].tolist()
         if self.parents is not None:
-            ar = None
-            if sampled is not None and self.constraint is None:
-                ar = sampled[0][:nv].tolist()
             path, token = self._verify_tree(verify, sampling, ar)
             accepted = len(path)
             P = len(self.pending)
             self.kept_branch = [P + a for a in path]
             chain = [self.draft[a] for a in path]
         elif sampling.greedy or self.constraint is not None:
-            ar = None
-            if sampled is not None and self.constraint is None:
-                ar = sampled[0][:nv].tolist()
             accepted, token = self._verify_exact(verify, sampling, ar)
         else:
             accepted, token = self._verify_sampled(verify, sampling)
@@ -559,16 +556,21 @@ class SpecRow(Row):
         it. -> (drafts accepted, the token after them). `ar`: the greedy tokens of these
         positions, already drawn by the caller."""
         for i in range(verify.shape[0]):  # sequential: a token is drawn only where AR draws
-            if ar is not None:
-                tok = ar[i]
-            elif self.constraint is not None:
-                tok = self.constrained(verify[i], len(self.answer) + i, sampling)
-            else:
-                tok = int(sample(verify[i : i + 1], sampling, self.gen)[0][0])
+            tok = self._ar_token(verify, i, i, sampling, ar)
             if i < len(self.draft) and tok == self.draft[i]:
                 continue
             return i, tok
         raise AssertionError("a verify pass has one position more than its draft")
+
+    def _ar_token(self, verify: torch.Tensor, row: int, depth: int, sampling: SamplingParams,
+                  ar: list[int] | None) -> int:  # fmt: skip
+        """The AR token at verify row `row`, the answer's position len(answer) + depth: the
+        loop's greedy draw, else the constrained or sampled one."""
+        if ar is not None:
+            return ar[row]
+        if self.constraint is not None:
+            return self.constrained(verify[row], len(self.answer) + depth, sampling)
+        return int(sample(verify[row : row + 1], sampling, self.gen)[0][0])
 
     def _verify_tree(
         self, verify: torch.Tensor, sampling: SamplingParams, ar: list[int] | None = None
@@ -581,13 +583,7 @@ class SpecRow(Row):
             children.setdefault(p, {}).setdefault(t, i)  # the first of equal siblings
         path, node = [], -1
         while True:
-            row = node + 1
-            if ar is not None:
-                tok = ar[row]
-            elif self.constraint is not None:
-                tok = self.constrained(verify[row], len(self.answer) + len(path), sampling)
-            else:
-                tok = int(sample(verify[row : row + 1], sampling, self.gen)[0][0])
+            tok = self._ar_token(verify, node + 1, len(path), sampling, ar)
             nxt = children.get(node, {}).get(tok)
             if nxt is None:
                 return path, tok
