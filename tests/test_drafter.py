@@ -1175,3 +1175,34 @@ def test_a_grown_tree_drafts_after_each_branch_what_its_chain_drafts(monkeypatch
         assert children == set(forced[0, len(branch)].topk(3).indices.tolist()), branch
     ((small, up),) = runner.draft_tree(first, 3, [4], [2])  # 4 nodes, 2 deep
     assert len(small) == 4 and all(p < 0 or up[p] < 0 for p in up)
+
+
+def test_a_grown_tree_scores_its_draft_vocabulary_as_the_whole_vocabulary(monkeypatch):
+    """With a draft vocabulary a tree grows from the head's rows of those ids only; the
+    reference scores the whole vocabulary with every other id at -inf (the chain's logits):
+    the same tree, the copy lean and the mask id included (a lean to an id outside the draft
+    vocabulary changes nothing)."""
+    from clover.decoding.drafting import DrafterRunner
+
+    model = tiny_model(seed=3)
+    drafter = drafter_for(model, chain=True)
+    vocab = torch.tensor(sorted({3, *range(0, 62, 2)}))  # 32 ids, the mask id (3) among them
+    drafter.set_vocab(vocab)
+    monkeypatch.setattr(DrafterRunner, "FRONTIER", 4)
+    part, full = DrafterRunner(model, drafter), DrafterRunner(model, drafter)
+    full.head = None  # ids map to themselves
+    monkeypatch.setattr(full, "_head_logits", part._logits)  # -inf outside the vocabulary
+    with torch.no_grad():
+        _, feats = model(torch.tensor([[5, 6, 7, 8, 9]]), None, "causal", capture=part.layers)
+    leans = {0: 4, 1: 7, 2: 10}  # by branch length: in, outside, in the draft vocabulary
+    mask_id = int(model.config.mask_token_id)
+    assert mask_id in vocab.tolist()
+    trees = []
+    for r in (part, full):
+        r.add_row()
+        r.commit(feats, torch.tensor([5]))
+        trees.append(r.draft_tree(torch.tensor([10]), 4, [20], None,
+                                  lambda b, branch: leans.get(len(branch)), mask_id))  # fmt: skip
+    assert trees[0] == trees[1]
+    ((tokens, _),) = trees[0]
+    assert len(tokens) == 20 and set(tokens) <= set(vocab.tolist()) - {mask_id}

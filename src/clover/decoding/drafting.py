@@ -102,6 +102,9 @@ class DrafterRunner:
                 vocab = drafter.vocab.to(model.model.embed_tokens.weight.device)
                 made[model] = (head_rows(model, vocab), vocab)
             self.head, self.vocab = made[model]
+            # each token's column among the draft vocabulary's (-1: not in it)
+            self.column = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+            self.column[self.vocab.cpu()] = torch.arange(len(self.vocab))
 
     @property
     def block_size(self) -> int:
@@ -197,25 +200,31 @@ class DrafterRunner:
 
         def grow(h: torch.Tensor, parents: list[list[int]]) -> None:
             """h [B, k, D] of drafted-after nodes (parents[b][j]; -1: the root) -> children."""
-            logits = self._logits(h)  # [B, k, V]
+            # scored over the draft vocabulary's columns only (the other tokens are -inf in
+            # the chain's logits: the same log-probabilities and picks, without filling and
+            # normalizing the whole vocabulary at each node: 151,936 ids on the coder)
+            logits = self._head_logits(h)  # [B, k, n]
             for b in range(B):
                 for j, p in enumerate(parents[b]):
                     if p == PAD:
                         continue
                     branch = self._branch(trees[b], p)
                     copy = lean(b, branch) if lean is not None and self.COPY_BONUS else None
-                    if copy is not None:
-                        logits[b, j, copy] += self.COPY_BONUS
-            if mask_id is not None:
-                logits[..., mask_id] = float("-inf")
-            top = torch.log_softmax(logits, -1).topk(K, -1)
+                    col = self._column(copy)
+                    if col is not None:
+                        logits[b, j, col] += self.COPY_BONUS
+            col = self._column(mask_id)
+            if col is not None:
+                logits[..., col] = float("-inf")
+            top = torch.log_softmax(logits, -1).topk(min(K, logits.shape[-1]), -1)
+            ids = top.indices if self.head is None else self.vocab[top.indices]
             for b in range(B):
                 for j, p in enumerate(parents[b]):
                     if p == PAD:
                         continue
                     base = trees[b][p][3] if p >= 0 else 0.0
                     d = trees[b][p][2] + 1 if p >= 0 else 1
-                    for v, t in zip(top.values[b, j].tolist(), top.indices[b, j].tolist()):
+                    for v, t in zip(top.values[b, j].tolist(), ids[b, j].tolist()):
                         if v > float("-inf"):
                             trees[b].append([t, p, d, base + v, None])
 
@@ -282,14 +291,25 @@ class DrafterRunner:
         h = embed(ids.to(embed.weight.device)).to(self.drafter.norm.weight.dtype)
         return self.drafter._cached_pass(h, layout, cache)
 
+    def _column(self, token: int | None) -> int | None:
+        """A token's column in `_head_logits` (None: none, or not in the draft vocabulary)."""
+        if token is None or self.head is None:
+            return token
+        col = int(self.column[token])
+        return col if col >= 0 else None
+
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """final hidden [B, n, D] -> float logits [B, n, k] of the draft vocabulary's k ids
+        (`self.vocab`; without its head rows, of every id)."""
+        h = h.to(self.model.model.embed_tokens.weight.dtype)
+        return (self.model.logits(h) if self.head is None else self.head(h)).float()
+
     def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """final hidden [B, n, D] -> logits [B, n, V] (the draft vocabulary's, every other
         token at -inf: never drafted), in `out` when given."""
-        h = h.to(self.model.model.embed_tokens.weight.dtype)
+        part = self._head_logits(h)  # [B, n, k]
         if self.head is None:
-            logits = self.model.logits(h)
-            return logits if out is None else out.copy_(logits)
-        part = self.head(h).float()  # [B, n, k]
+            return part if out is None else out.copy_(part)
         shape = (*part.shape[:2], self.drafter.config.vocab_size)
         out = part.new_empty(shape) if out is None else out
         return out.fill_(float("-inf")).scatter_(-1, self.vocab.expand_as(part), part)
