@@ -1112,6 +1112,14 @@ def test_tree_drafts_are_lossless_batched(draft, chain, monkeypatch):
     verify = SpecRow._verify_tree
     monkeypatch.setattr(SpecRow, "_verify_tree",
                         lambda self, *a: kept.append(verify(self, *a)) or kept[-1])  # fmt: skip
+    from clover.decoding import rows
+    from clover.decoding.drafting import DrafterRunner
+
+    if draft == "drafter+lookup":  # context copies come from the lookup, not a chain's lean
+        monkeypatch.setattr(DrafterRunner, "COPY_BONUS", 0.0)
+    grafted = []
+    graft = rows.graft
+    monkeypatch.setattr(rows, "graft", lambda *a: grafted.append((a, graft(*a))) or grafted[-1][1])
     model = attached(tiny_model(seed=3), chain=chain)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     ar = decoded(model, prompts, "ar", 24)
@@ -1119,8 +1127,23 @@ def test_tree_drafts_are_lossless_batched(draft, chain, monkeypatch):
     spec = decoded(model, prompts, policy, 24)
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     assert kept and any(path for path, _ in kept)  # trees were verified, drafts kept
+    # with lookup, context matches joined trees as branches (some beside the drafter's)
+    assert bool(grafted) == (draft == "drafter+lookup")
+    assert draft == "drafter" or any(len(out[0]) > len(a[0]) for a, out in grafted)
     assert moved  # some kept branch was not the tree's first
     assert max(max(r.accepted, default=0) for r in spec) <= 3  # no deeper than the chain
+
+
+def test_graft_joins_a_chain_to_a_tree_as_one_more_branch():
+    from clover.decoding.drafting import graft
+
+    tokens, parents = [4, 5, 6, 7], [-1, -1, 0, 2]  # 4 -> 6 -> 7 and 5
+    assert graft(tokens, parents, [4, 6, 7]) == (tokens, parents)  # already a branch
+    # follows 4 -> 6, then goes on from 6 as new nodes; the tree's nodes keep their places
+    assert graft(tokens, parents, [4, 6, 9, 4]) == ([4, 5, 6, 7, 9, 4], [-1, -1, 0, 2, 2, 4])
+    assert graft(tokens, parents, [8]) == ([4, 5, 6, 7, 8], [-1, -1, 0, 2, -1])
+    assert graft([], [], [3, 3]) == ([3, 3], [-1, 0])
+    assert graft(tokens, parents, []) == (tokens, parents)
 
 
 def test_tree_drafts_are_refused_where_they_cannot_run():
@@ -1206,3 +1229,35 @@ def test_a_grown_tree_scores_its_draft_vocabulary_as_the_whole_vocabulary(monkey
     assert trees[0] == trees[1]
     ((tokens, _),) = trees[0]
     assert len(tokens) == 20 and set(tokens) <= set(vocab.tolist()) - {mask_id}
+
+
+def test_a_grown_tree_drafts_only_after_drafts_it_can_still_keep(monkeypatch):
+    """Growing stops at drafts worth less than a row's nodes-th likeliest so far (nor are their
+    children ever kept): the same trees as drafting after the FRONTIER likeliest of every depth,
+    two rows of different sizes together, in fewer and narrower drafter passes."""
+    from clover.decoding.drafting import DrafterRunner
+
+    model = attached(tiny_model(seed=3), chain=True)
+    monkeypatch.setattr(DrafterRunner, "FRONTIER", 4)
+    with torch.no_grad():
+        _, feats = model(torch.tensor([[5, 6, 7, 8, 9]] * 2), None, "causal", capture=(0, 1))
+    widths, trees = [], []
+    tree_pass = DrafterRunner._tree_pass
+    monkeypatch.setattr(DrafterRunner, "_tree_pass",
+                        lambda self, t, chosen, *a: widths[-1].append(len(chosen[0]))
+                        or tree_pass(self, t, chosen, *a))  # fmt: skip
+    floor = DrafterRunner._floor
+    for prune in (False, True):
+        if not prune:  # the reference: every depth's FRONTIER likeliest draft after themselves
+            monkeypatch.setattr(DrafterRunner, "_floor", staticmethod(lambda *a: float("-inf")))
+        else:
+            monkeypatch.setattr(DrafterRunner, "_floor", staticmethod(floor))
+        runner = DrafterRunner(model, model.drafter)
+        for _ in range(2):
+            runner.add_row()
+        runner.commit(feats, torch.tensor([5, 4]))
+        widths.append([])
+        trees.append(runner.draft_tree(torch.tensor([10, 11]), 5, [6, 12], [5, 3]))
+    assert trees[0] == trees[1]
+    assert all(len(tokens) == n for (tokens, _), n in zip(trees[1], [6, 12]))
+    assert sum(widths[1]) < sum(widths[0]), widths

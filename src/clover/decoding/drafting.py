@@ -76,6 +76,26 @@ def likeliest(tree: list[list], nodes: int, depth: int) -> tuple[list[int], list
     return [tree[i][0] for i in ranked], [where.get(tree[i][1], -1) for i in ranked]
 
 
+def graft(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """A tree of drafts (tokens, parents: parents first, -1 the root) with `chain` (a context
+    lookup's draft after the same root) joined as one more branch: it follows the tree's nodes
+    while they draft its tokens, then goes on as new nodes, appended (so parents still come
+    first). The tree's own nodes keep their places."""
+    tokens, parents = list(tokens), list(parents)
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, t) in enumerate(zip(parents, tokens)):
+        children.setdefault((p, t), i)
+    node = -1
+    for t in chain:
+        nxt = children.get((node, t))
+        if nxt is None:
+            tokens.append(t)
+            parents.append(node)
+            nxt = children[(node, t)] = len(tokens) - 1
+        node = nxt
+    return tokens, parents
+
+
 class DrafterRunner:
     BACKLOG = 256  # tokens whose features may wait for a row's next draft
     # a chain drafter's logit at each position gains this much on the token that followed the
@@ -228,16 +248,24 @@ class DrafterRunner:
                         if v > float("-inf"):
                             trees[b].append([t, p, d, base + v, None])
 
+        depths = depths or [depth] * B
         with torch.inference_mode():
             ids = torch.stack([first, first], 1)  # block positions 0 and 1 read `first`
             h = self.drafter.chain_hidden(ids, 0, embed, cache)
             grow(h[:, -1:], [[-1] for _ in range(B)])
             offset = 2
             for d in range(1, depth):
-                # each row's K likeliest drafts at depth d draft after themselves
+                # each row's K likeliest drafts at depth d draft after themselves, but only
+                # those that can still be kept: a draft worth less than the row's nodes[b]-th
+                # likeliest so far never is, nor are its children (a branch is never worth
+                # more than its parent); a row with none left, or at its depth, is done
                 chosen = []
                 for b in range(B):
-                    at = [i for i, n in enumerate(trees[b]) if n[2] == d]
+                    if d >= depths[b]:
+                        chosen.append([])
+                        continue
+                    floor = self._floor(trees[b], nodes[b], depths[b])
+                    at = [i for i, n in enumerate(trees[b]) if n[2] == d and n[3] >= floor]
                     at.sort(key=lambda i: -trees[b][i][3])
                     chosen.append(at[:K])
                 if max(len(c) for c in chosen) == 0:
@@ -250,8 +278,14 @@ class DrafterRunner:
                             trees[b][i][4] = offset + j
                 grow(self._tree_pass(trees, chosen, offset, d, embed), chosen)
                 offset += k
-        depths = depths or [depth] * B
         return [likeliest(t, n, d) for t, n, d in zip(trees, nodes, depths)]
+
+    @staticmethod
+    def _floor(tree: list[list], nodes: int, depth: int) -> float:
+        """The value a draft needs to be among the `nodes` likeliest of a tree so far (at most
+        `depth` deep; -inf while it has fewer): later drafts only add rivals."""
+        values = sorted((n[3] for n in tree if n[2] <= depth), reverse=True)
+        return values[nodes - 1] if 0 < nodes <= len(values) else float("-inf")
 
     @staticmethod
     def _branch(tree: list[list], node: int) -> list[int]:

@@ -533,8 +533,7 @@ class BatchDecoder:
         # greedy rows of a tree policy draft trees: a chain drafter grows them (one pass per
         # depth), a block drafter's are its chain and the other guesses beside it (leaf_tree)
         grows = self.drafting.drafter.config.chain
-        trees = [n > 0 and bool(r.policy.tree) and r.sampling.greedy and r.constraint is None
-                 for r, n in zip(self.active, lengths)]  # fmt: skip
+        trees = [n > 0 and r.grows_tree for r, n in zip(self.active, lengths)]
         if grows and any(trees):
             grown = self.drafting.draft_tree(
                 first, max(n for n, t in zip(lengths, trees) if t),

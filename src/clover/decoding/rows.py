@@ -45,6 +45,7 @@ from clover.decoding.costs import (
     best_rate,
     shared_acceptance,
 )
+from clover.decoding.drafting import graft
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, filtered_probs, sample
 
@@ -391,10 +392,20 @@ class SpecRow(Row):
             return self.pending + self.draft, len(self.pending)
         self._from_context = False
         found = self._lookup()
-        if found:  # a context match beats the block's or the drafter's guess
+        if found and self.parents is not None and self.draft:
+            # a tree of drafts takes the context match as one more branch (the drafter drew
+            # the tree knowing a match would come: `drafter_length`)
+            self.draft, self.parents = graft(self.draft, self.parents, found)
+        elif found:  # a context match beats the block's or the drafter's guess
             self.draft, self.draft_q, self._from_context = found, None, True
             self.parents = None
         return self._verify_plan(mask_id)
+
+    @property
+    def grows_tree(self) -> bool:
+        """Whether the drafter drafts this row trees (greedy, unconstrained rows of a tree
+        policy; the others draft chains)."""
+        return bool(self.policy.tree) and self.sampling.greedy and self.constraint is None
 
     def tree(self) -> list[int] | None:
         """The planned pass's parents (`layout.tree_parts`) when its drafts are a tree: the
@@ -441,7 +452,8 @@ class SpecRow(Row):
             or self.draft
             or room <= 0
             or first_eos(self.answer, self.eos) is not None
-            or self._lookup()  # the next plan takes a context match over any drafter draft
+            # the next plan takes a context match over any drafter chain (a tree keeps both)
+            or (self._lookup() and not self.grows_tree)
         ):
             return 0
         most = min(self.policy.block_size - 1, room)
