@@ -476,6 +476,46 @@ def test_fused_layers_match_the_modules(model_type):
             torch.testing.assert_close(lf.k[:, :, :n], lr.k[:, :, :n], rtol=0.05, atol=0.02)
 
 
+@pytest.mark.parametrize("isa", available_isas())
+def test_fused_layers_verify_trees_of_drafts_as_the_modules(isa, monkeypatch):
+    """Passes whose tokens are trees of drafts (each sees the prefix and its own ancestors)
+    through the fused layers, two rows of different prefixes and trees: one query a task (3, 6
+    tokens), 4 a task (18) and PyTorch's attention (70); the modules' masked attention is the
+    reference. A chain over the same tokens gives far other states."""
+    from clover.models.llama import LlamaModel
+
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    fast, ref = fused_and_modules(tiny_llama())
+    fused = []
+    backbone = LlamaModel._fused_backbone
+    monkeypatch.setattr(LlamaModel, "_fused_backbone",
+                        lambda self, *a: fused.append(1) or backbone(self, *a))  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(4, 256, (2, 9), generator=g)
+    with torch.inference_mode():
+        cf, cr = fast.make_cache(2), ref.make_cache(2)
+        fast(ids, cf, n_valid=torch.tensor([9, 5]))
+        ref(ids, cr, n_valid=torch.tensor([9, 5]))
+        for T in (3, 6, 18, 70):
+            x = torch.randint(4, 256, (2, T), generator=g)
+            # each token's parent: any token before it, or the prefix (-1)
+            parents = torch.full((2, T), -1)
+            for t in range(1, T):
+                parents[:, t] = torch.randint(-1, t, (2,), generator=g)
+            kw = {"mode": "block", "n_commit": torch.tensor([T, T]), "tree": parents}
+            before = len(fused)
+            a, b = fast(x, cf, **kw), ref(x, cr, **kw)
+            assert len(fused) == before + 1  # the tree took the fused layers
+            scale = float(b.float().abs().max())
+            gap = float((a.float() - b.float()).abs().max())
+            assert gap < 0.02 * scale, T
+            cr.rollback(torch.tensor([T, T]))  # the same tokens as a chain: another pass
+            chain = ref(x, cr, mode="block", n_commit=torch.tensor([T, T]))
+            assert float((chain.float() - b.float()).abs().max()) > 5 * gap, T
+            for c in (cf, cr):  # the next tree over the same prefix
+                c.rollback(torch.tensor([T, T]))
+
+
 @pytest.mark.parametrize("apart", [(), ("v_proj", "up_proj")])
 def test_fused_layers_of_a_long_prefill(apart, monkeypatch):
     """A first prefill of 2 x 230 rows (a long prompt, a drafter's features): the matmuls sweep

@@ -19,18 +19,27 @@
 
 namespace clover {
 
+// keys [base, end) that a tree's query does not see (sees[key - base] == 0) score -inf
+static inline void hide_keys(float* scores, int64_t end, const uint8_t* sees, int64_t base) {
+  if (sees == nullptr) return;
+  for (int64_t s = std::max<int64_t>(base, 0); s < end; ++s)
+    if (!sees[s - base]) scores[s] = -INFINITY;
+}
+
 static void attend_portable(const float* q, const float* K, const float* V, int64_t end,
-                            int64_t Dh, float scale, float* scores, float* out) {
-  float top = -INFINITY;
+                            int64_t Dh, float scale, float* scores, float* out,
+                            const uint8_t* sees = nullptr, int64_t base = 0) {
   for (int64_t s = 0; s < end; ++s) {
     float acc = 0.f;
     for (int64_t d = 0; d < Dh; ++d) acc += q[d] * K[s * Dh + d];
     scores[s] = acc * scale;
-    top = std::max(top, scores[s]);
   }
+  hide_keys(scores, end, sees, base);
+  float top = -INFINITY;
+  for (int64_t s = 0; s < end; ++s) top = std::max(top, scores[s]);
   float total = 0.f;
   for (int64_t s = 0; s < end; ++s) {
-    scores[s] = exp_approx(scores[s] - top);
+    scores[s] = scores[s] == -INFINITY ? 0.f : exp_approx(scores[s] - top);
     total += scores[s];
   }
   std::fill(out, out + Dh, 0.f);
@@ -153,7 +162,8 @@ __attribute__((target("avx512f,avx512dq"))) static void attend_avx512(
 template <int NQ>
 __attribute__((target("avx512f,avx512dq"))) static void attend_multi_avx512(
     const float* const* q, const int64_t* ends, const float* K, const float* V, int64_t Dh,
-    float scale, float* scores, int64_t stride, float* const* out) {
+    float scale, float* scores, int64_t stride, float* const* out, const uint8_t* const* sees,
+    const int64_t* base) {
   const int64_t C = Dh / 16;
   int64_t E = 0;
   for (int i = 0; i < NQ; ++i) E = std::max(E, ends[i]);
@@ -183,7 +193,9 @@ __attribute__((target("avx512f,avx512dq"))) static void attend_multi_avx512(
         scores[i * stride + s + j] = s + j < ends[i] ? v[j] : -INFINITY;
     }
   }
-  // softmax per query; the keys a query does not see weigh 0
+  if (sees != nullptr)
+    for (int i = 0; i < NQ; ++i) hide_keys(scores + i * stride, ends[i], sees[i], base[i]);
+  // softmax per query; the keys a query does not see (past its end, or -inf) weigh 0
   float inv[NQ];
   for (int i = 0; i < NQ; ++i) {
     float* sc = scores + i * stride;
@@ -199,8 +211,10 @@ __attribute__((target("avx512f,avx512dq"))) static void attend_multi_avx512(
       const __mmask16 seen = k & (ends[i] - s >= 16 ? 0xffff
                                   : ends[i] > s ? static_cast<__mmask16>((1u << (ends[i] - s)) - 1)
                                                : 0);
-      const __m512 e = _mm512_maskz_mov_ps(
-          seen, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), m)));
+      const __m512 x = _mm512_maskz_loadu_ps(k, sc + s);
+      const __mmask16 shown =
+          seen & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(shown, exp512(_mm512_sub_ps(x, m)));
       _mm512_mask_storeu_ps(sc + s, k, e);
       total = _mm512_add_ps(total, e);
     }
@@ -280,7 +294,8 @@ AVX2 __m256i lanes_below(int64_t n) {  // lane j set where j < n
 template <int NQ>
 __attribute__((target("avx2,fma"))) static void attend_avx2(
     const float* const* q, const int64_t* ends, const float* K, const float* V, int64_t Dh,
-    float scale, float* scores, int64_t stride, float* const* out) {
+    float scale, float* scores, int64_t stride, float* const* out,
+    const uint8_t* const* sees = nullptr, const int64_t* base = nullptr) {
   const int64_t C = Dh / 8;
   int64_t E = 0;
   for (int i = 0; i < NQ; ++i) E = std::max(E, ends[i]);
@@ -302,6 +317,8 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(
       _mm256_maskstore_ps(scores + i * stride + s, stored, v);
     }
   }
+  if (sees != nullptr)
+    for (int i = 0; i < NQ; ++i) hide_keys(scores + i * stride, ends[i], sees[i], base[i]);
   float inv[NQ];
   for (int i = 0; i < NQ; ++i) {  // softmax; the keys a query does not see weigh 0
     float* sc = scores + i * stride;
@@ -315,9 +332,10 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(
     __m256 total = _mm256_setzero_ps();
     for (int64_t s = 0; s < E; s += 8) {
       const __m256i m = lanes_below(E - s);
-      const __m256 seen = _mm256_castsi256_ps(lanes_below(ends[i] - s));
-      const __m256 e =
-          _mm256_and_ps(seen, exp256(_mm256_sub_ps(_mm256_maskload_ps(sc + s, m), mx)));
+      const __m256 x = _mm256_maskload_ps(sc + s, m);
+      const __m256 seen = _mm256_and_ps(_mm256_castsi256_ps(lanes_below(ends[i] - s)),
+                                        _mm256_cmp_ps(x, none, _CMP_NEQ_OQ));
+      const __m256 e = _mm256_and_ps(seen, exp256(_mm256_sub_ps(x, mx)));
       _mm256_maskstore_ps(sc + s, m, e);
       total = _mm256_add_ps(total, e);
     }
@@ -398,26 +416,38 @@ namespace clover {
 
 void attend_queries(const float* const* q, const int64_t* ends, int n, const float* K,
                     const float* V, int64_t Dh, float scale, float* scores, int64_t stride,
-                    float* const* out, int isa) {
+                    float* const* out, int isa, const uint8_t* const* sees,
+                    const int64_t* base) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (isa >= 2 && Dh % 16 == 0) {
+    const uint8_t* const* v = sees;
     switch (n) {
-      case 4: return attend_multi_avx512<4>(q, ends, K, V, Dh, scale, scores, stride, out);
-      case 3: return attend_multi_avx512<3>(q, ends, K, V, Dh, scale, scores, stride, out);
-      case 2: return attend_multi_avx512<2>(q, ends, K, V, Dh, scale, scores, stride, out);
+      case 4: return attend_multi_avx512<4>(q, ends, K, V, Dh, scale, scores, stride, out, v, base);
+      case 3: return attend_multi_avx512<3>(q, ends, K, V, Dh, scale, scores, stride, out, v, base);
+      case 2: return attend_multi_avx512<2>(q, ends, K, V, Dh, scale, scores, stride, out, v, base);
+      case 1:  // the one-query loop knows no tree
+        if (sees != nullptr)
+          return attend_multi_avx512<1>(q, ends, K, V, Dh, scale, scores, stride, out, v, base);
+        break;
       default: break;
     }
   } else if (isa >= 1 && Dh % 8 == 0) {
     switch (n) {
-      case 4: return attend_avx2<4>(q, ends, K, V, Dh, scale, scores, stride, out);
-      case 3: return attend_avx2<3>(q, ends, K, V, Dh, scale, scores, stride, out);
-      case 2: return attend_avx2<2>(q, ends, K, V, Dh, scale, scores, stride, out);
+      case 4: return attend_avx2<4>(q, ends, K, V, Dh, scale, scores, stride, out, sees, base);
+      case 3: return attend_avx2<3>(q, ends, K, V, Dh, scale, scores, stride, out, sees, base);
+      case 2: return attend_avx2<2>(q, ends, K, V, Dh, scale, scores, stride, out, sees, base);
+      case 1: return attend_avx2<1>(q, ends, K, V, Dh, scale, scores, stride, out, sees, base);
       default: break;
     }
   }
 #endif
-  for (int i = 0; i < n; ++i)
-    attend_query(q[i], K, V, ends[i], Dh, scale, scores + i * stride, out[i], isa);
+  for (int i = 0; i < n; ++i) {
+    if (sees != nullptr)
+      attend_portable(q[i], K, V, ends[i], Dh, scale, scores + i * stride, out[i], sees[i],
+                      base[i]);
+    else
+      attend_query(q[i], K, V, ends[i], Dh, scale, scores + i * stride, out[i], isa);
+  }
 }
 
 }  // namespace clover

@@ -36,10 +36,12 @@ void attend_query(const float* q, const float* K, const float* V, int64_t end, i
 
 // The same for n <= 4 queries of one head (tokens of one pass), query i over keys
 // [0, ends[i]); scores: scratch of n x `stride` (>= every end) floats. With AVX-512 or AVX2
-// the key and value rows are read once for all n queries.
+// the key and value rows are read once for all n queries. `sees` (a tree of drafts): query
+// i sees key base[i] + u only where sees[i][u] != 0 (u: the key's place in the pass).
 void attend_queries(const float* const* q, const int64_t* ends, int n, const float* K,
                     const float* V, int64_t Dh, float scale, float* scores, int64_t stride,
-                    float* const* out, int isa);
+                    float* const* out, int isa, const uint8_t* const* sees = nullptr,
+                    const int64_t* base = nullptr);
 
 // out [F] bfloat16 = silu(gate) * up for one row of gu [gate (F) | up (F)], with exp_approx;
 // isa >= 1: 8 lanes (AVX2 + FMA). The portable loop did not vectorize (exp_approx's clamp

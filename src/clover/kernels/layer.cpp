@@ -101,6 +101,13 @@ constexpr int64_t kLoopAttentionRows = 64;  // wider passes use PyTorch's SDPA (
 struct Layout {  // models/layout.py, per row: committed length, tokens committed, block tokens
   const int64_t *lengths, *n_commit, *n_block;
   int64_t B, T;
+  // a tree of drafts (layout.tree_parts' sees, [B, T, T]): committed token t of row b sees
+  // the pass's token u (before it) only where sees[(b * T + t) * T + u]; nullptr: a chain.
+  // Block tokens keep their rule (the whole block)
+  const uint8_t* sees = nullptr;
+  const uint8_t* row_sees(int64_t b, int64_t t) const {
+    return sees == nullptr || t >= n_commit[b] ? nullptr : sees + (b * T + t) * T;
+  }
   // keys [0, end) are visible to query t of row b
   int64_t end(int64_t b, int64_t t) const {
     const int64_t nc = n_commit[b], nb = n_block[b];
@@ -141,9 +148,10 @@ class FusedLayer {
 
   // x [B, T, D] float32, updated in place; k, v [B, Hkv, capacity, Dh] float32 caches;
   // lengths, n_commit, n_block [B] int64; cos, sin [B, T, R] float32
+  // sees: None, or bool [B, T, T] (a tree of drafts: Layout::sees)
   void forward(at::Tensor& x, at::Tensor& k, at::Tensor& v, const at::Tensor& lengths,
                const at::Tensor& n_commit, const at::Tensor& n_block, const at::Tensor& cos,
-               const at::Tensor& sin) {
+               const at::Tensor& sin, const c10::optional<at::Tensor>& sees) {
     TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 3, "x");
     const int64_t B = x.size(0), T = x.size(1), D = x.size(2), M = B * T;
     TORCH_CHECK(D == ln1_.numel(), "x width");
@@ -158,8 +166,14 @@ class FusedLayer {
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * R &&
                     sin.numel() == M * R && R <= dh_ && R % 2 == 0,
                 "cos / sin: float32 [B, T, R]");
-    const Layout lay{lengths.data_ptr<int64_t>(), n_commit.data_ptr<int64_t>(),
-                     n_block.data_ptr<int64_t>(), B, T};
+    Layout lay{lengths.data_ptr<int64_t>(), n_commit.data_ptr<int64_t>(),
+               n_block.data_ptr<int64_t>(), B, T};
+    if (sees.has_value()) {
+      TORCH_CHECK(sees->is_contiguous() && sees->scalar_type() == at::kBool &&
+                      sees->numel() == B * T * T,
+                  "sees: contiguous bool [B, T, T]");
+      lay.sees = reinterpret_cast<const uint8_t*>(sees->data_ptr<bool>());
+    }
     const int64_t cap = k.size(2);
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(lay.lengths[b] >= 0 && lay.lengths[b] + T <= cap, "cache too small");
@@ -275,15 +289,19 @@ class FusedLayer {
         const float* V = vc + (b * hkv_ + kvh) * cap * dh_;
         const float* q[4];
         float* o[4];
-        int64_t ends[4];
+        int64_t ends[4], base[4];
+        const uint8_t* sees[4];
         const int n = static_cast<int>(std::min<int64_t>(per, T - t0));
         for (int j = 0; j < n; ++j) {
           const int64_t m = b * T + t0 + j;
           q[j] = qkv + m * Nq + h * dh_;
           o[j] = out + (m * hq_ + h) * dh_;
           ends[j] = lay.end(b, t0 + j);
+          sees[j] = lay.row_sees(b, t0 + j);
+          base[j] = lay.lengths[b];
         }
-        attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o, isa_level(isa_));
+        attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o, isa_level(isa_),
+                       lay.sees == nullptr ? nullptr : sees, base);
       }
     });
   }
@@ -301,6 +319,7 @@ class FusedLayer {
     const at::Tensor ks = k.narrow(2, 0, S), vs = v.narrow(2, 0, S);
     bool first = true;  // a first prefill: no cached prefix, no block tokens
     for (int64_t b = 0; b < B; ++b) first = first && lay.lengths[b] == 0 && lay.n_block[b] == 0;
+    first = first && lay.sees == nullptr;
     // plain causal (first): SDPA skips the masked half, which under an explicit mask it cannot
     c10::optional<at::Tensor> mask;
     if (!first) {
@@ -308,8 +327,10 @@ class FusedLayer {
       bool* mp = mask->data_ptr<bool>();
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t e = lay.end(b, t);
-          for (int64_t s = 0; s < S; ++s) mp[(b * T + t) * S + s] = s < e;
+          const int64_t e = lay.end(b, t), L = lay.lengths[b];
+          const uint8_t* seen = lay.row_sees(b, t);
+          for (int64_t s = 0; s < S; ++s)
+            mp[(b * T + t) * S + s] = s < e && (seen == nullptr || s < L || seen[s - L]);
         }
     }
     const at::Tensor o = at::scaled_dot_product_attention(q, ks, vs, mask, 0.0, first,

@@ -33,9 +33,10 @@ class StepLayout:
     train: tuple | None = None
     span: tuple[int, int] | None = None  # (min, max) of lengths, once per pass, not per layer
     # a tree of drafts in this pass (`tree_parts`): each token's parent in the pass, [B, T]
-    # long; None: committed tokens are a causal chain. Fused kernels that know only chains
-    # (a query sees keys up to its own) step aside for it.
+    # long; None: committed tokens are a causal chain. `sees` [B, T, T] bool: which of the
+    # pass's tokens each one sees (itself and its ancestors; the fused kernels take it)
     tree: torch.Tensor | None = None
+    sees: torch.Tensor | None = None
     # layers whose outputs the caller wants (a drafter's features); backbones `keep` them
     capture: tuple[int, ...] = ()
     captured: list = field(default_factory=list)
@@ -127,7 +128,8 @@ def cached_layout(
         inside.scatter_(2, slots, sees)
         committed = (rel < 0) | inside
     mask = torch.where(is_block_query, rel < nc + nb, committed)  # [B, T, S]
-    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None], span=span, tree=tree)
+    return StepLayout(n_commit, n_block, lengths, positions, mask[:, None], span=span, tree=tree,
+                      sees=sees)  # fmt: skip
 
 
 def training_layout(

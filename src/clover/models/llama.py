@@ -240,8 +240,6 @@ class LlamaModel(DiffusionLM):
         live in the modules). Built once, on first use."""
         if caches is None or layout.train is not None or torch.is_grad_enabled():
             return None
-        if layout.tree is not None:  # the kernels' queries see keys up to their own
-            return None
         adapter = getattr(self, "draft_adapter", None)
         if adapter is not None and adapter.tokens.index is not None:
             return None
@@ -262,8 +260,9 @@ class LlamaModel(DiffusionLM):
         cos, sin = rope_cos_sin(layout.positions, self.inv_freq)  # [B, 1, T, R]
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         lengths, n_commit, n_block = (t.contiguous() for t in layout.counts())
+        sees = None if layout.sees is None else layout.sees.contiguous()  # a tree of drafts
         for i, (layer, cache) in enumerate(zip(fused, caches)):
-            layer.forward(x, cache.k, cache.v, lengths, n_commit, n_block, cos, sin)
+            layer.forward(x, cache.k, cache.v, lengths, n_commit, n_block, cos, sin, sees)
             layout.keep(i, x)
         norm = self.model.norm
         return kernels.load().rms_norm_bf16(x, norm.weight, norm.eps)
