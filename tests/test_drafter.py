@@ -1261,3 +1261,42 @@ def test_a_grown_tree_drafts_only_after_drafts_it_can_still_keep(monkeypatch):
     assert trees[0] == trees[1]
     assert all(len(tokens) == n for (tokens, _), n in zip(trees[1], [6, 12]))
     assert sum(widths[1]) < sum(widths[0]), widths
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_an_int4_drafter_runs_fused_as_its_modules(chain):
+    """With int4 linears in Clover's kernels a drafter pass takes the fused layers (q/k norms
+    included): the modules' hidden states, two rows of different contexts, block passes and a
+    chain's passes over scratch slots; a tree pass's mask keeps the modules."""
+    import copy
+
+    from clover import kernels
+    from clover.quant import quantize_linears
+
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler here")
+    model = tiny_model(hidden_size=128, intermediate_size=256)
+    drafter = drafter_for(model, chain=chain)
+    with torch.no_grad():  # sharper q/k norms: attention that a wrong norm would move
+        for layer in drafter.layers:
+            layer.self_attn.q_norm.weight.mul_(3)
+            layer.self_attn.k_norm.weight.mul_(3)
+    fast = quantize_linears(copy.deepcopy(drafter))
+    ref = copy.deepcopy(fast)
+    object.__setattr__(ref, "fused_layers", lambda cache: None)  # the modules: the reference
+    embed = model.model.embed_tokens
+    feats = torch.randn(2, 7, 2 * model.config.hidden_size)
+    outs = []
+    with torch.no_grad():
+        for d in (fast, ref):
+            cache = d.make_cache(2)
+            d.commit(feats, torch.tensor([7, 4]), cache)
+            assert (d.fused_layers(cache) is not None) == (d is fast)
+            if chain:
+                first = d.chain_hidden(torch.tensor([[5, 5], [6, 6]]), 0, embed, cache)
+                outs.append(torch.cat([first, d.chain_hidden(torch.tensor([[9], [11]]), 2,
+                                                             embed, cache)], 1))  # fmt: skip
+            else:
+                outs.append(d.block_hidden(torch.tensor([5, 6]), embed, cache, 4))
+    a, b = (o.float() for o in outs)
+    assert float((a - b).abs().max()) < 0.03 * float(b.abs().max())

@@ -323,7 +323,7 @@ class DrafterRunner:
         zeros = torch.zeros(B, dtype=torch.long)
         layout = StepLayout(torch.full_like(zeros, k), zeros, lengths, positions, mask[:, None])
         h = embed(ids.to(embed.weight.device)).to(self.drafter.norm.weight.dtype)
-        return self.drafter._cached_pass(h, layout, cache)
+        return self.drafter._cached_pass(h, layout, cache, fast=False)  # a mask over scratch
 
     def _column(self, token: int | None) -> int | None:
         """A token's column in `_head_logits` (None: none, or not in the draft vocabulary)."""

@@ -146,6 +146,14 @@ class FusedLayer {
     TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0, "head_dim must be even and <= 512");
   }
 
+  // per-head RMSNorms of q and k before RoPE (Qwen3's, and a drafter's layer): weights [Dh]
+  void set_qk_norm(const at::Tensor& q_norm, const at::Tensor& k_norm, double eps) {
+    TORCH_CHECK(q_norm.numel() == dh_ && k_norm.numel() == dh_, "q/k norms: [head_dim]");
+    qn_ = q_norm.to(at::kFloat).contiguous();
+    kn_ = k_norm.to(at::kFloat).contiguous();
+    qk_eps_ = static_cast<float>(eps);
+  }
+
   // x [B, T, D] float32, updated in place; k, v [B, Hkv, capacity, Dh] float32 caches;
   // lengths, n_commit, n_block [B] int64; cos, sin [B, T, R] float32
   // sees: None, or bool [B, T, T] (a tree of drafts: Layout::sees)
@@ -200,6 +208,16 @@ class FusedLayer {
     for (int64_t m = 0; m < M; ++m) {
       const int64_t b = m / T, t = m % T, slot = lay.lengths[b] + t;
       float* row = qkv.data() + m * Nq;
+      if (qn_.defined()) {  // heads q then k: each x / rms(x) * w, in float32
+        for (int64_t h = 0; h < hq_ + hkv_; ++h) {
+          float* x = row + h * dh_;
+          const float* w = (h < hq_ ? qn_ : kn_).data_ptr<float>();
+          float ss = 0.f;
+          for (int64_t d = 0; d < dh_; ++d) ss += x[d] * x[d];
+          const float r = 1.0f / std::sqrt(ss / static_cast<float>(dh_) + qk_eps_);
+          for (int64_t d = 0; d < dh_; ++d) x[d] = x[d] * r * w[d];
+        }
+      }
       fused::rope(row, hq_ + hkv_, dh_, cp + m * R, sp + m * R, R);
       for (int64_t h = 0; h < hkv_; ++h) {
         const int64_t at = ((b * hkv_ + h) * cap + slot) * dh_;
@@ -340,6 +358,8 @@ class FusedLayer {
   }
 
   at::Tensor ln1_, ln2_;
+  at::Tensor qn_, kn_;  // per-head q/k norms, or undefined
+  float qk_eps_ = 0.f;
   std::vector<Packed> qkv_;
   Packed o_;
   std::vector<Packed> gate_up_;
@@ -424,7 +444,8 @@ void register_layer(pybind11::module& m) {
   py::class_<FusedLayer>(m, "FusedLayer")
       .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<Packed>, Packed,
                     std::vector<Packed>, Packed, int64_t, int64_t, int64_t, double, int64_t>())
-      .def("forward", &FusedLayer::forward);
+      .def("forward", &FusedLayer::forward)
+      .def("set_qk_norm", &FusedLayer::set_qk_norm);
   m.def("rms_norm_bf16", &rms_norm_bf16, "the final RMSNorm of a fused backbone");
   m.def("attention", &attention, "attention over a cache, as the fused layers run it");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, as the fused layers run it");

@@ -275,14 +275,68 @@ class Drafter(nn.Module):
         layout = cached_layout(n, torch.zeros_like(n), lengths, T)
         return self._cached_pass(embed(ids).to(self.norm.weight.dtype), layout, cache)
 
-    def _cached_pass(self, h: torch.Tensor, layout: StepLayout, cache: ModelCache) -> torch.Tensor:
+    def _cached_pass(self, h: torch.Tensor, layout: StepLayout, cache: ModelCache,
+                     fast: bool = True) -> torch.Tensor:  # fmt: skip
         """h [B, T, D] block inputs -> final hidden [B, T, D]: every layer over the context in
-        `cache` under `layout` (its slots past the context are scratch), then the norm."""
+        `cache` under `layout` (its slots past the context are scratch), then the norm. With
+        int4 weights in Clover's kernels the layers run fused (`fused_layers`) unless `fast`
+        is False (a layout the kernels cannot express: a tree pass's mask over scratch)."""
         rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
+        fused = self.fused_layers(cache) if fast and layout.tree is None else None
+        if fused is not None:
+            x = h.float().contiguous()  # the residual in float32, as the target's fused layers
+            cos, sin = rope[0][:, 0].contiguous(), rope[1][:, 0].contiguous()
+            lengths, n_commit, n_block = (t.contiguous() for t in layout.counts())
+            for layer, lc in zip(fused, cache.layers):
+                layer.forward(x, lc.k, lc.v, lengths, n_commit, n_block, cos, sin, None)
+            return self.norm(x.to(self.norm.weight.dtype))
         for layer, lc in zip(self.layers, cache.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
             h = layer.mlp_residual(h)
         return self.norm(h)
+
+    def fused_layers(self, cache: ModelCache) -> list | None:
+        """One kernels.FusedLayer per layer (its q/k norms included) when every projection is
+        int4 in Clover's kernels and the cache is float32 K/V, at inference; made once per
+        kernel path. A drafter pass of one or two tokens was mostly PyTorch's per-op overhead
+        (~20 ops a layer)."""
+        from clover import kernels
+        from clover.kernels.qgemm import QWeight
+
+        if torch.is_grad_enabled() or kernels.load() is None:
+            return None
+        if any(not isinstance(c, KVCache) or c.dtype != torch.float32 for c in cache.layers):
+            return None
+        isa = kernels.isa(getattr(self, "dots_x", None))
+        made = self.__dict__.setdefault("_fused", {})
+        if isa in made:
+            return made[isa]
+        module = kernels.load()
+
+        def packed(linear: nn.Module) -> object | None:
+            w = getattr(linear, "weight", None)
+            if not isinstance(w, QWeight) or self.norm.weight.device.type != "cpu":
+                return None
+            return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
+                                 w.in_features, linear.bias, w.mults, w.bases)  # fmt: skip
+
+        c, layers = self.config, []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = [packed(a.q_proj), packed(a.k_proj), packed(a.v_proj)]
+            gate_up = [packed(m.gate_proj), packed(m.up_proj)]
+            o, down = packed(a.o_proj), packed(m.down_proj)
+            if any(p is None for p in [*qkv, *gate_up, o, down]):
+                made[isa] = None
+                return None
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            fused = module.FusedLayer(ln1.weight.detach(), ln2.weight.detach(), qkv, o, gate_up,
+                                      down, c.num_attention_heads, c.num_key_value_heads,
+                                      c.head_dim, ln1.eps, isa)  # fmt: skip
+            fused.set_qk_norm(a.q_norm.weight.detach(), a.k_norm.weight.detach(), a.q_norm.eps)
+            layers.append(fused)
+        made[isa] = layers
+        return layers
 
     # --- training: many blocks of a sequence at once ------------------------------------------
 
