@@ -1264,10 +1264,11 @@ def test_a_grown_tree_drafts_only_after_drafts_it_can_still_keep(monkeypatch):
 
 
 @pytest.mark.parametrize("chain", [False, True])
-def test_an_int4_drafter_runs_fused_as_its_modules(chain):
+def test_an_int4_drafter_runs_fused_as_its_modules(chain, monkeypatch):
     """With int4 linears in Clover's kernels a drafter pass takes the fused layers (q/k norms
-    included): the modules' hidden states, two rows of different contexts, block passes and a
-    chain's passes over scratch slots; a tree pass's mask keeps the modules."""
+    included): the modules' hidden states, two rows of different contexts, block passes, a
+    chain's passes over scratch slots and a grown tree's (each draft seeing only its own
+    ancestors' slots among them)."""
     import copy
 
     from clover import kernels
@@ -1300,3 +1301,28 @@ def test_an_int4_drafter_runs_fused_as_its_modules(chain):
                 outs.append(d.block_hidden(torch.tensor([5, 6]), embed, cache, 4))
     a, b = (o.float() for o in outs)
     assert float((a - b).abs().max()) < 0.03 * float(b.abs().max())
+    if not chain:
+        return
+    from clover.decoding.drafting import DrafterRunner
+
+    gaps = []
+    tree_pass = DrafterRunner._tree_pass
+
+    def both(self, *args):  # each tree pass fused, then again through the modules
+        h = tree_pass(self, *args)
+        object.__setattr__(self.drafter, "fused_layers", lambda cache: None)
+        try:
+            want = tree_pass(self, *args)
+        finally:
+            del self.drafter.__dict__["fused_layers"]
+        gaps.append(float((h.float() - want.float()).abs().max()) / float(want.abs().max()))
+        return h
+
+    monkeypatch.setattr(DrafterRunner, "_tree_pass", both)
+    monkeypatch.setattr(DrafterRunner, "FRONTIER", 3)
+    runner = DrafterRunner(model, fast)
+    for _ in range(2):
+        runner.add_row()
+    runner.commit(feats, torch.tensor([7, 4]))
+    runner.draft_tree(torch.tensor([5, 6]), 4, [12, 12])
+    assert len(gaps) >= 2 and max(gaps) < 0.03, gaps

@@ -308,22 +308,28 @@ class DrafterRunner:
                             for b, c in enumerate(chosen)])  # fmt: skip
         lengths = ctx + offset
         positions = (ctx + d + 1)[:, None].expand(B, k).contiguous()
-        S = int(lengths.max()) + k
-        rel = torch.arange(S)[None, :] - ctx[:, None]  # [B, S]: slots past each context
-        mask = (rel < 2)[:, None, :].repeat(1, k, 1)  # [B, k, S]
+        # the block's slots each query sees, from the context's end: 0 and 1, then its own
+        # ancestors' (earlier passes') and itself
+        sees = torch.zeros(B, k, offset + k, dtype=torch.bool)
+        sees[:, :, :2] = True
         for b, c in enumerate(chosen):
-            L = int(ctx[b])
             for j, i in enumerate(c):
                 node = i
                 if i == PAD:  # sees the context and itself: its outputs are not read
-                    mask[b, j, L + offset + j] = True
+                    sees[b, j, offset + j] = True
                 while node >= 0:  # itself and its ancestors, all drafted after already
-                    mask[b, j, L + trees[b][node][4]] = True
+                    sees[b, j, trees[b][node][4]] = True
                     node = trees[b][node][1]
+        # the same as a mask over every key slot (the modules' path)
+        S = int(lengths.max()) + k
+        rel = torch.arange(S)[None, None, :] - ctx[:, None, None]  # [B, 1, S]
+        window = sees.gather(2, rel.clamp(0, offset + k - 1).expand(B, k, S))
+        mask = (rel < 0) | ((rel < offset + k) & window)  # [B, k, S]
         zeros = torch.zeros(B, dtype=torch.long)
-        layout = StepLayout(torch.full_like(zeros, k), zeros, lengths, positions, mask[:, None])
+        layout = StepLayout(torch.full_like(zeros, k), zeros, lengths, positions, mask[:, None],
+                            sees=sees)  # fmt: skip
         h = embed(ids.to(embed.weight.device)).to(self.drafter.norm.weight.dtype)
-        return self.drafter._cached_pass(h, layout, cache, fast=False)  # a mask over scratch
+        return self.drafter._cached_pass(h, layout, cache)
 
     def _column(self, token: int | None) -> int | None:
         """A token's column in `_head_logits` (None: none, or not in the draft vocabulary)."""

@@ -101,13 +101,16 @@ constexpr int64_t kLoopAttentionRows = 64;  // wider passes use PyTorch's SDPA (
 struct Layout {  // models/layout.py, per row: committed length, tokens committed, block tokens
   const int64_t *lengths, *n_commit, *n_block;
   int64_t B, T;
-  // a tree of drafts (layout.tree_parts' sees, [B, T, T]): committed token t of row b sees
-  // the pass's token u (before it) only where sees[(b * T + t) * T + u]; nullptr: a chain.
-  // Block tokens keep their rule (the whole block)
+  // a tree of drafts (layout.tree_parts' sees, [B, T, W], W >= T): committed token t of row
+  // b sees key lengths[b] - (W - T) + u (u < W: the pass's tokens and the W - T slots before
+  // them) only where sees[(b * T + t) * W + u]; nullptr: a chain. Block tokens keep their rule
+  // (the whole block)
   const uint8_t* sees = nullptr;
+  int64_t W = 0;
   const uint8_t* row_sees(int64_t b, int64_t t) const {
-    return sees == nullptr || t >= n_commit[b] ? nullptr : sees + (b * T + t) * T;
+    return sees == nullptr || t >= n_commit[b] ? nullptr : sees + (b * T + t) * W;
   }
+  int64_t window(int64_t b) const { return lengths[b] - (W - T); }  // the first key sees covers
   // keys [0, end) are visible to query t of row b
   int64_t end(int64_t b, int64_t t) const {
     const int64_t nc = n_commit[b], nb = n_block[b];
@@ -156,7 +159,7 @@ class FusedLayer {
 
   // x [B, T, D] float32, updated in place; k, v [B, Hkv, capacity, Dh] float32 caches;
   // lengths, n_commit, n_block [B] int64; cos, sin [B, T, R] float32
-  // sees: None, or bool [B, T, T] (a tree of drafts: Layout::sees)
+  // sees: None, or bool [B, T, W] (a tree of drafts: Layout::sees)
   void forward(at::Tensor& x, at::Tensor& k, at::Tensor& v, const at::Tensor& lengths,
                const at::Tensor& n_commit, const at::Tensor& n_block, const at::Tensor& cos,
                const at::Tensor& sin, const c10::optional<at::Tensor>& sees) {
@@ -177,10 +180,13 @@ class FusedLayer {
     Layout lay{lengths.data_ptr<int64_t>(), n_commit.data_ptr<int64_t>(),
                n_block.data_ptr<int64_t>(), B, T};
     if (sees.has_value()) {
-      TORCH_CHECK(sees->is_contiguous() && sees->scalar_type() == at::kBool &&
-                      sees->numel() == B * T * T,
-                  "sees: contiguous bool [B, T, T]");
+      TORCH_CHECK(sees->is_contiguous() && sees->scalar_type() == at::kBool && sees->dim() == 3 &&
+                      sees->size(0) == B && sees->size(1) == T && sees->size(2) >= T,
+                  "sees: contiguous bool [B, T, W >= T]");
       lay.sees = reinterpret_cast<const uint8_t*>(sees->data_ptr<bool>());
+      lay.W = sees->size(2);
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(lay.window(b) >= 0, "sees reaches before the cache");
     }
     const int64_t cap = k.size(2);
     for (int64_t b = 0; b < B; ++b)
@@ -316,7 +322,7 @@ class FusedLayer {
           o[j] = out + (m * hq_ + h) * dh_;
           ends[j] = lay.end(b, t0 + j);
           sees[j] = lay.row_sees(b, t0 + j);
-          base[j] = lay.lengths[b];
+          base[j] = lay.sees == nullptr ? 0 : lay.window(b);
         }
         attend_queries(q, ends, n, K, V, dh_, scale, scores.data(), cap, o, isa_level(isa_),
                        lay.sees == nullptr ? nullptr : sees, base);
@@ -345,7 +351,7 @@ class FusedLayer {
       bool* mp = mask->data_ptr<bool>();
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t e = lay.end(b, t), L = lay.lengths[b];
+          const int64_t e = lay.end(b, t), L = lay.sees == nullptr ? 0 : lay.window(b);
           const uint8_t* seen = lay.row_sees(b, t);
           for (int64_t s = 0; s < S; ++s)
             mp[(b * T + t) * S + s] = s < e && (seen == nullptr || s < L || seen[s - L]);

@@ -279,16 +279,17 @@ class Drafter(nn.Module):
                      fast: bool = True) -> torch.Tensor:  # fmt: skip
         """h [B, T, D] block inputs -> final hidden [B, T, D]: every layer over the context in
         `cache` under `layout` (its slots past the context are scratch), then the norm. With
-        int4 weights in Clover's kernels the layers run fused (`fused_layers`) unless `fast`
-        is False (a layout the kernels cannot express: a tree pass's mask over scratch)."""
+        int4 weights in Clover's kernels the layers run fused (`fused_layers`; a tree pass's
+        visibility as `layout.sees`) unless `fast` is False."""
         rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
-        fused = self.fused_layers(cache) if fast and layout.tree is None else None
+        fused = self.fused_layers(cache) if fast else None
         if fused is not None:
             x = h.float().contiguous()  # the residual in float32, as the target's fused layers
             cos, sin = rope[0][:, 0].contiguous(), rope[1][:, 0].contiguous()
             lengths, n_commit, n_block = (t.contiguous() for t in layout.counts())
+            sees = None if layout.sees is None else layout.sees.contiguous()
             for layer, lc in zip(fused, cache.layers):
-                layer.forward(x, lc.k, lc.v, lengths, n_commit, n_block, cos, sin, None)
+                layer.forward(x, lc.k, lc.v, lengths, n_commit, n_block, cos, sin, sees)
             return self.norm(x.to(self.norm.weight.dtype))
         for layer, lc in zip(self.layers, cache.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), rope, layout, lc)
