@@ -230,6 +230,18 @@ class QWeight:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
+def fused_part(linear: torch.nn.Module) -> object | None:
+    """A linear's weight as the fused layers take it (`kernels.Packed`): an Int4Linear, or an
+    Int8Linear with a GGUF's 8-bit levels, in Clover's kernels (under a draft adapter's
+    LoRALinear: its base); None for anything else."""
+    linear = getattr(linear, "base", linear)
+    w = getattr(linear, "weight", None)
+    if not isinstance(w, QWeight):
+        return None
+    return kernels.load().Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
+                                 w.in_features, linear.bias, w.mults, w.bases)  # fmt: skip
+
+
 def reference_matmul(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What `QWeight.matmul` computes, in float64: x rounded to bfloat16 times the dequantized
     weights (x [..., K] -> float64 [..., N]), on paths without integer dots."""

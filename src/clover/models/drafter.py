@@ -275,14 +275,13 @@ class Drafter(nn.Module):
         layout = cached_layout(n, torch.zeros_like(n), lengths, T)
         return self._cached_pass(embed(ids).to(self.norm.weight.dtype), layout, cache)
 
-    def _cached_pass(self, h: torch.Tensor, layout: StepLayout, cache: ModelCache,
-                     fast: bool = True) -> torch.Tensor:  # fmt: skip
+    def _cached_pass(self, h: torch.Tensor, layout: StepLayout, cache: ModelCache) -> torch.Tensor:
         """h [B, T, D] block inputs -> final hidden [B, T, D]: every layer over the context in
         `cache` under `layout` (its slots past the context are scratch), then the norm. With
         int4 weights in Clover's kernels the layers run fused (`fused_layers`; a tree pass's
-        visibility as `layout.sees`) unless `fast` is False."""
+        visibility as `layout.sees`)."""
         rope = rope_cos_sin(layout.positions, self.inv_freq.to(layout.positions.device))
-        fused = self.fused_layers(cache) if fast else None
+        fused = self.fused_layers(cache)
         if fused is not None:
             x = h.float().contiguous()  # the residual in float32, as the target's fused layers
             cos, sin = rope[0][:, 0].contiguous(), rope[1][:, 0].contiguous()
@@ -302,9 +301,11 @@ class Drafter(nn.Module):
         kernel path. A drafter pass of one or two tokens was mostly PyTorch's per-op overhead
         (~20 ops a layer)."""
         from clover import kernels
-        from clover.kernels.qgemm import QWeight
+        from clover.kernels.qgemm import fused_part as packed
 
         if torch.is_grad_enabled() or kernels.load() is None:
+            return None
+        if self.norm.weight.device.type != "cpu":
             return None
         if any(not isinstance(c, KVCache) or c.dtype != torch.float32 for c in cache.layers):
             return None
@@ -313,14 +314,6 @@ class Drafter(nn.Module):
         if isa in made:
             return made[isa]
         module = kernels.load()
-
-        def packed(linear: nn.Module) -> object | None:
-            w = getattr(linear, "weight", None)
-            if not isinstance(w, QWeight) or self.norm.weight.device.type != "cpu":
-                return None
-            return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
-                                 w.in_features, linear.bias, w.mults, w.bases)  # fmt: skip
-
         c, layers = self.config, []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

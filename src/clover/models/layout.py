@@ -33,8 +33,9 @@ class StepLayout:
     train: tuple | None = None
     span: tuple[int, int] | None = None  # (min, max) of lengths, once per pass, not per layer
     # a tree of drafts in this pass (`tree_parts`): each token's parent in the pass, [B, T]
-    # long; None: committed tokens are a causal chain. `sees` [B, T, T] bool: which of the
-    # pass's tokens each one sees (itself and its ancestors; the fused kernels take it)
+    # long; None: committed tokens are a causal chain. `sees` [B, T, W >= T] bool: which keys
+    # of a window ending with the pass each token sees (a target's tree: W = T, itself and its
+    # ancestors; a drafter's tree pass: its block slots too); the fused kernels take it
     tree: torch.Tensor | None = None
     sees: torch.Tensor | None = None
     # layers whose outputs the caller wants (a drafter's features); backbones `keep` them

@@ -273,20 +273,12 @@ def build_fused_layers(model: LlamaModel) -> list | None:
     packed, or apart where their formats differ; Int4Linear or Int8Linear with a GGUF's 8-bit
     levels, in Clover's kernels); None where any piece is missing."""
     from clover import kernels
-    from clover.kernels.qgemm import QWeight
+    from clover.kernels.qgemm import fused_part as packed
 
     module = kernels.load()
     if module is None or model.model.embed_tokens.weight.device.type != "cpu":
         return None
     c = model.config
-
-    def packed(linear: nn.Module) -> object | None:
-        linear = getattr(linear, "base", linear)  # under a draft adapter's LoRALinear
-        if not isinstance(getattr(linear, "weight", None), QWeight):
-            return None  # Int4Linear or Int8Linear (a GGUF's 8-bit levels) in our kernels
-        w = linear.weight
-        return module.Packed(w.q, w.scales, w.bits, w.group, w.has_low, w.out_features,
-                             w.in_features, linear.bias, w.mults, w.bases)  # fmt: skip
 
     def group(module: nn.Module, fused: str, names: tuple[str, ...]) -> list | None:
         """The packed matrix, or (when its parts differ in format, e.g. a Q6_K v beside Q4_K
