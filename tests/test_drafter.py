@@ -2,7 +2,7 @@
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -1326,3 +1326,48 @@ def test_an_int4_drafter_runs_fused_as_its_modules(chain, monkeypatch):
     runner.commit(feats, torch.tensor([7, 4]))
     runner.draft_tree(torch.tensor([5, 6]), 4, [12, 12])
     assert len(gaps) >= 2 and max(gaps) < 0.03, gaps
+
+
+def test_a_registry_entry_s_drafter_loads_with_its_model_and_drafts_by_default(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """A registry entry that ships a drafter (the coder 0.5B's) attaches it when the model
+    loads, and its default decoder (self_spec, drafter+lookup) gives ar's answers with the
+    drafter's drafts in them; a drafter the caller names replaces the shipped one, and a
+    shipped drafter of another target is refused as any drafter file is."""
+    from pathlib import Path
+
+    from clover.checkpoints import loader
+    from clover.checkpoints.registry import ModelEntry, ResolvedModel
+    from clover.engine import LLM
+
+    target = LLM(str(tiny_checkpoint), progress=False).model
+    shipped = save_drafter(drafter_for(target), tmp_path / "shipped.safetensors", torch.float32)
+    mine = save_drafter(drafter_for(target), tmp_path / "mine.safetensors", torch.float32)
+    wrong = save_drafter(drafter_for(tiny_model(seed=1)), tmp_path / "wrong.safetensors",
+                         torch.float32)  # fmt: skip
+
+    class Entry(ModelEntry):
+        @property
+        def drafter_path(self) -> Path:
+            return tmp_path / self.drafter
+
+    entry = Entry(name="tiny-shipped", package="none", module="none", filename="none",
+                  description="test", license="MIT", drafter=shipped.name,
+                  decoding={"default_decoder": "self_spec", "block_size": 4,
+                            "draft": "drafter+lookup"})  # fmt: skip
+    resolved = ResolvedModel("tiny-shipped", Path(tiny_checkpoint), "hf", entry)
+    monkeypatch.setattr(loader, "resolve", lambda name, progress=True: resolved)
+    llm = LLM("tiny-shipped", progress=False, dtype="float32")
+    assert llm.drafter == str(shipped) and llm.model.drafter is not None
+    prompts = ["abcabcabc", "hello there"]
+    default = llm.generate(prompts, max_tokens=20, adaptive=False)
+    ar = llm.generate(prompts, max_tokens=20, decoder="ar")
+    assert [c.token_ids for c in default] == [c.token_ids for c in ar]
+    assert any("drafter" in c.drafts for c in default)
+    assert LLM("tiny-shipped", progress=False, drafter=str(mine)).drafter == str(mine)
+    bad = ResolvedModel("tiny-shipped", Path(tiny_checkpoint), "hf",
+                        replace(entry, drafter=wrong.name))  # fmt: skip
+    monkeypatch.setattr(loader, "resolve", lambda name, progress=True: bad)
+    with pytest.raises(CloverError, match="this drafter was trained on"):
+        LLM("tiny-shipped", progress=False)

@@ -44,13 +44,32 @@ def test_default_model_decoding_defaults_are_valid():
         d = KNOWN_MODELS[name].decoding
         assert set(d) <= {f.name for f in fields(LlamaConfig)}
         policy = make_policy(d["default_decoder"], d["block_size"], draft=d["draft"])
-        assert policy.speculative and policy.draft == "lookup"
+        assert policy.speculative and "lookup" in policy.draft
+        # a default that drafts from a drafter ships one (the loop refuses it without)
+        assert ("drafter" in policy.draft) == (KNOWN_MODELS[name].drafter is not None)
 
 
 def test_shipped_adapters_exist():
     """Every entry that names an adapter finds the file Clover ships (package data)."""
     shipped = [e for e in KNOWN_MODELS.values() if e.adapter is not None]
     assert shipped and all(e.adapter_path.is_file() for e in shipped)
+
+
+def test_shipped_drafters_exist_and_name_their_model():
+    """Every entry that names a drafter finds the file Clover ships, made for that model (its
+    header: target name, a 16-hex fingerprint, the model's mask id and vocabulary)."""
+    from clover.models.drafter import read_drafter_config
+
+    shipped = [e for e in KNOWN_MODELS.values() if e.drafter is not None]
+    assert shipped
+    for e in shipped:
+        assert e.drafter_path.is_file()
+        c = read_drafter_config(e.drafter_path)
+        assert c.target == e.name and len(c.target_fingerprint) == 16
+        assert c.mask_token_id == e.overrides["mask_token_id"]
+        arch = e.gguf_header["general.architecture"]
+        assert c.hidden_size == e.gguf_header[f"{arch}.embedding_length"]
+    assert KNOWN_MODELS["qwen2.5-coder-1.5b"].drafter is None  # trained for the 0.5B only
 
 
 def test_cache_dir(tmp_path, monkeypatch):

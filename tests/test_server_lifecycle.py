@@ -57,6 +57,31 @@ def test_a_compiled_model_is_warmed_for_batches_before_ready(tmp_path):
             assert httpx.post(f"{url}/v1/chat/completions", json=ASK).status_code == 200
 
 
+def test_self_spec_pass_costs_are_timed_before_ready(tmp_path, monkeypatch):
+    """A server whose decoder is self_spec times the pass costs its adaptive drafts follow
+    while loading (with the drafter's passes when one is attached), not in the first
+    request; an `ar` server times nothing."""
+    import clover.serving.runtime as runtime
+
+    checkpoint = write_checkpoint(tmp_path, 256)
+    timed: list[bool] = []
+    monkeypatch.setattr(runtime, "model_costs", lambda model, drafter=False: timed.append(drafter))
+
+    def loader(drafter: bool) -> LLM:
+        llm = LLM(str(checkpoint), dtype="float32", progress=False)
+        if drafter:  # what LLM(drafter=F) attaches (its passes are timed by the stub only)
+            object.__setattr__(llm.model, "drafter", object())
+        return llm
+
+    cases = [("self_spec", False, [False]), ("self_spec", True, [False, True]), ("ar", True, [])]
+    for decoder, drafter, expected in cases:
+        timed.clear()
+        options = ServeOptions(model=str(checkpoint), decoder=decoder, draft="lookup")
+        with serve_in_thread(options, lambda d=drafter: loader(d)) as url:
+            assert httpx.get(f"{url}/health").status_code == 200
+            assert timed == expected
+
+
 def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"
     cmd = [sys.executable, "-m", "clover.cli", "serve", "--model", str(missing), "--port", "0"]

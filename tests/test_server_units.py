@@ -181,7 +181,9 @@ def test_serve_options_check_the_draft_source():
     with pytest.raises(CloverError, match="--slide is a low_confidence option"):
         ServeOptions(slide=True).check()
     with pytest.raises(CloverError, match="needs --drafter FILE"):
-        ServeOptions(decoder="self_spec", draft="drafter+lookup").check()
+        ServeOptions(model="smollm2-135m", decoder="self_spec", draft="drafter+lookup").check()
+    # the default model ships its drafter (clover/drafters/)
+    ServeOptions(model="qwen2.5-coder-0.5b", decoder="self_spec", draft="drafter").check()
     ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors").check()
     ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors", tree=63).check()
     with pytest.raises(CloverError, match="--tree grows trees from a drafter"):

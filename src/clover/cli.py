@@ -300,6 +300,9 @@ def cmd_info(a: argparse.Namespace) -> int:
             config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
         name, path = resolved.name, str(resolved.path)
         license_ = resolved.entry.license if resolved.entry else None
+        for key, value in (resolved.entry.decoding if resolved.entry else {}).items():
+            setattr(config, key, value)  # the decoding `load` gives this entry
+    entry = None if a.model in PRESETS else resolved.entry
     total = config.num_params
     info = {
         "model": name,
@@ -319,6 +322,9 @@ def cmd_info(a: argparse.Namespace) -> int:
         "default_decoder": config.default_decoder,
         "block_size": config.block_size,
         "draft": config.draft,
+        # files Clover ships for this entry, attached when it loads
+        "adapter": entry.adapter if entry else None,
+        "drafter": entry.drafter if entry else None,
         "license": license_,
     }
     if a.plan:

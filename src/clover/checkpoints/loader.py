@@ -263,7 +263,8 @@ def load(
     wide: str = "int8",
 ) -> Loaded:
     """adapter: a draft adapter file to attach; a registry name that ships one attaches its
-    own. drafter: a drafter file for self_spec draft="drafter". device: cpu, cuda, cuda:N or
+    own. drafter: a drafter file for self_spec draft="drafter" (a registry name that ships one
+    loads its own unless another is given). device: cpu, cuda, cuda:N or
     auto (`resolve_device`): weights load on the CPU, then move. wide (int4 from a GGUF): the
     kernel of tensors stored wider than 4 bits (`mark_source_levels`)."""
     if dtype not in DTYPES and dtype != "auto":
@@ -293,6 +294,8 @@ def load(
         entry = resolved.entry
         if entry is not None and entry.adapter is not None and adapter is None:
             adapter = entry.adapter_path
+        if entry is not None and entry.drafter is not None and drafter is None:
+            drafter = entry.drafter_path
         for key, value in (entry.decoding if entry else {}).items():
             setattr(net.config, key, value)
         mask_from_tokenizer(net.config, tokenizer)

@@ -75,6 +75,9 @@ class ModelEntry:
     # entry of the same file.
     adapter: str | None = None
     decoding: dict[str, object] = field(default_factory=dict, hash=False)
+    # A drafter shipped inside Clover (clover/drafters/<file>, `clover train drafter`): loaded
+    # with the model unless the caller names another, for self_spec draft="drafter*".
+    drafter: str | None = None
     # A model split over several packages (`clover.checkpoints.parts`): `filename` is then the
     # assembled file under cache_dir()/models, `sha256` its pinned hash and `gguf_header`
     # metadata it must hold.
@@ -90,6 +93,12 @@ class ModelEntry:
         if self.adapter is None:
             return None
         return Path(__file__).parents[1] / "adapters" / self.adapter  # clover/adapters/
+
+    @property
+    def drafter_path(self) -> Path | None:
+        if self.drafter is None:
+            return None
+        return Path(__file__).parents[1] / "drafters" / self.drafter  # clover/drafters/
 
 
 _SMOLLM2 = ModelEntry(
@@ -118,10 +127,14 @@ _CODER_05B = ModelEntry(
     # an autoregressive model: <|endoftext|> stands in as [MASK] for diffusion decoding, as
     # for SmolLM2 (ChatML never generates it inside a conversation)
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
-    # measured (benchmarks/results/bench-speed-qwen2.5-coder-0.5b-drafter.json, int4): self_spec
-    # with context-lookup drafts gives ar's answers (32 quality items, all equal) at 1.38x ar
-    # at batch 1 and 1.01x at batch 8; the 30-minute CPU drafter loses (0.96x, 0.69x)
-    decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
+    # measured 2026-12-06, int4 (benchmarks/results/bench-{speed,quality}-qwen2.5-coder-0.5b-
+    # drafter-b4.json): self_spec, block 4, drafting from the shipped drafter and context
+    # lookup gives ar's answers (64 of 64 quality items) at 1.14x ar on the suite (lookup
+    # alone 1.09x) and 1.39x on the speed prompts at batch 1 (lookup alone 1.28x; 2.12x
+    # llama.cpp); in a batch its rows draft from lookup only (the drafter drafts for a row
+    # running alone), so batch 8 runs as lookup does
+    decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "drafter+lookup"},
+    drafter="qwen2.5-coder-0.5b.safetensors",  # model_cards/qwen2.5-coder.md
     # measured 2026-12-03 (benchmarks/results/precision-qwen2.5-coder-0.5b-int4.json and the
     # quality suite, 64 items): x on 8 bits keeps the suite's accuracy (0.85 both ways, 54 of
     # 64 answers the same) and next-token KL to float32 at 0.00054 (0.00021 at 15 bits), and

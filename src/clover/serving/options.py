@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from clover.checkpoints import DEFAULT_MODEL, device_dtype, resolve_device
+from clover.checkpoints import DEFAULT_MODEL, KNOWN_MODELS, device_dtype, resolve_device
 from clover.decoding.policies import DECODERS, DRAFTS
 from clover.decoding.store import is_saved_store
 from clover.errors import CloverError
@@ -66,7 +66,11 @@ class ServeOptions:
         if self.draft is not None and self.draft not in DRAFTS:
             raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
         if self.draft is not None and "drafter" in self.draft and self.drafter is None:
-            raise CloverError(f"--draft {self.draft} needs --drafter FILE (clover train drafter)")
+            entry = KNOWN_MODELS.get(self.model.strip().lower())
+            if entry is None or entry.drafter is None:  # else the model's own drafter loads
+                raise CloverError(
+                    f"--draft {self.draft} needs --drafter FILE (clover train drafter)"
+                )
         if self.wide not in ("int8", "int4"):
             raise CloverError(f"--gguf-wide must be int8 or int4, got {self.wide!r}")
         if self.tree < 0:

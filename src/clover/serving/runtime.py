@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from clover.decoding.costs import model_costs
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
 from clover.decoding.store import model_store, read_saved, save_learned
@@ -92,6 +93,12 @@ class Runtime:
                 llm.model, [llm.encode("Hello")], make_policy("ar"), max_new_tokens=1
             ):
                 pass
+            if (o.decoder or llm.model.config.default_decoder) == "self_spec":
+                # the pass costs adaptive drafts follow (timed once per machine, seconds):
+                # before /health says ready, not inside the first request
+                model_costs(llm.model)
+                if getattr(llm.model, "drafter", None) is not None:
+                    model_costs(llm.model, drafter=True)
             llm.set_prefix_cache(o.prefix_cache_mb)  # after the warm-up: it keeps nothing
             if o.store_save is not None:  # after the warm-up: the store learns only answers
                 keeper = StoreKeeper(llm, o.store_save, o.store_save_every)
