@@ -449,8 +449,9 @@ def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
         eager.commit(feats, counts)
         lazy.commit(feats, counts, [False, i == 2])
     assert eager.cache.lengths.tolist() == [8, 8] and lazy.cache.lengths.tolist() == [0, 8]
+    assert lazy.waiting == [8, 0] and sum(len(f) for f in lazy.backlog[0]) == 8
     lazy.commit(torch.zeros(2, 1, F), torch.tensor([0, 0]), [True, False])
-    assert lazy.cache.lengths.tolist() == [8, 8]
+    assert lazy.cache.lengths.tolist() == [8, 8] and lazy.waiting == [0, 0]
     first = torch.tensor([5, 9])
     torch.testing.assert_close(lazy.draft(first, 4), eager.draft(first, 4))
     # a long backlog is committed without waiting for a draft
@@ -459,9 +460,10 @@ def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
     capped.add_row()
     capped.add_row()
     capped.commit(*steps[0], [False, False])
-    assert capped.cache.lengths.tolist() == [0, 5]
+    assert capped.cache.lengths.tolist() == [0, 5] and capped.waiting == [3, 0]
     capped.select([1])
     assert capped.cache.lengths.tolist() == [5] and capped.backlog == [[]]
+    assert capped.waiting == [0]
 
 
 @pytest.mark.parametrize("chain, tree", [(False, 0), (True, 6), (False, 6)])
