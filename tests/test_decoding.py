@@ -35,6 +35,42 @@ def test_ar_matches_uncached_greedy(model):
     assert res.tokens == seq[len(prompt) :]
 
 
+def test_greedy_draws_take_the_arg_max_and_skip_the_softmax_where_no_row_reads_it(
+    model, monkeypatch
+):
+    """A greedy draw is the first largest logit, its confidence that token's softmax
+    probability; a step whose rows select by no confidence (ar, self_spec) draws the arg-max
+    alone, and decodes exactly what it did with the softmax; low_confidence gets its
+    confidences."""
+    from clover.decoding import loop
+    from clover.decoding.sampling import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index
+    tokens, conf = sample(logits, SamplingParams())
+    assert tokens.tolist() == logits.argmax(-1).tolist() and int(tokens[2]) == 7
+    torch.testing.assert_close(conf, torch.softmax(logits, -1).amax(-1))
+    alone, none = sample(logits, SamplingParams(), confidence=False)
+    assert torch.equal(alone, tokens) and none is None
+
+    asked: list[bool] = []
+    real = loop.sample
+    monkeypatch.setattr(loop, "sample", lambda *a, **kw: (asked.append(kw["confidence"]),
+                                                          real(*a, **kw))[1])  # fmt: skip
+    policies = [make_policy("ar"), make_policy("self_spec", 4, draft="lookup"),
+                LowConfidence(block_size=4, threshold=0.5)]  # fmt: skip
+    fast = []
+    for p, wanted in zip(policies, (False, False, True)):
+        asked.clear()
+        fast.append(run(model, PROMPTS, p)[0])
+        assert asked and set(asked) == {wanted}, p
+    monkeypatch.setattr(loop, "sample", lambda *a, **kw: real(*a, **{**kw, "confidence": True}))
+    for p, got in zip(policies, fast):
+        want, _ = run(model, PROMPTS, p)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
 def test_threshold_above_one_commits_one_token_per_step(model):
     (res,), events = run(model, [PROMPTS[0]], LowConfidence(block_size=8, threshold=1.5))
     assert all(len(e.commits) == 1 for e in events)

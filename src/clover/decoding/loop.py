@@ -441,7 +441,9 @@ class BatchDecoder:
         plain = [r.constraint is None and r.sampling.greedy for r in active]
         greedy = None
         if logits is not None and any(plain):
-            greedy = [t.cpu() for t in sample(logits, GREEDY)]
+            confident = any(p and r.policy.uses_confidence for p, r in zip(plain, active))
+            tokens, conf = sample(logits, GREEDY, confidence=confident)
+            greedy = [tokens.cpu(), None if conf is None else conf.cpu()]
         n_rows = sum(1 for t, _ in plans if t)
         event = StepEvent(self.step_count, [], {}, {}, n_rows, T * len(active), 0.0)
         rollback = torch.zeros(len(active), dtype=torch.long)
@@ -450,7 +452,8 @@ class BatchDecoder:
         for k, r in enumerate(active):
             row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
             if plain[k] and greedy is not None:
-                picked = tuple(g[start : start + counts[k]] for g in greedy)
+                picked = tuple(None if g is None else g[start : start + counts[k]]
+                               for g in greedy)  # fmt: skip
                 commits, rollback[k] = r.update(row_logits, r.sampling, r.eos, picked)
             else:
                 commits, rollback[k] = r.update(row_logits, r.sampling, r.eos)

@@ -22,6 +22,9 @@ class Policy:
     name: str = "ar"
     speculative = False  # class attribute: SpecRow instead of BlockRow in the loop
     slide = False  # a sliding window instead of fixed blocks (a LowConfidence field)
+    # whether `select` reads the confidences (else a greedy step takes the arg-max alone:
+    # a softmax over the vocabulary costs more than the arg-max itself)
+    uses_confidence = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -62,6 +65,8 @@ class LowConfidence(Policy):
         super().__post_init__()
         if not self.threshold >= 0:
             raise CloverError(f"threshold must be >= 0, got {self.threshold}")
+
+    uses_confidence = True
 
     def select(self, confidence: torch.Tensor) -> torch.Tensor:
         chosen = confidence >= self.threshold

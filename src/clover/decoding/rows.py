@@ -199,7 +199,12 @@ class BlockRow(Row):
             commits = self._commit_run(logits, masked, sampling, eos)
         else:
             tokens, conf = sampled if sampled is not None else sample(logits, sampling, self.gen)
-            chosen = self.policy.select(conf)
+            if conf is None:  # the loop's greedy draw for policies that read no confidence
+                if self.policy.uses_confidence:
+                    raise ValueError(f"{self.policy.name} selects by confidence; none given")
+                chosen = torch.ones(len(tokens), dtype=torch.bool)
+            else:
+                chosen = self.policy.select(conf)
             for j in torch.nonzero(chosen).flatten().tolist():
                 p, tok = masked[j], int(tokens[j])
                 self.block[p], self.block_steps[p] = tok, self.steps

@@ -1,6 +1,8 @@
 """Turning logits into a token and a confidence per position.
 
-Greedy (temperature 0) takes the arg-max and reports its softmax probability; sampling draws
+Greedy (temperature 0) takes the arg-max of the logits and reports its softmax probability
+(unless the caller needs no confidence: the softmax over a 150K vocabulary cost more than the
+arg-max, ~1.4 ms of a batch-8 step of the coder 0.5B here); sampling draws
 from the temperature-scaled distribution after top-k / top-p filtering and reports the
 probability of the drawn token under that distribution. The confidence is what decoding
 policies threshold on.
@@ -53,13 +55,19 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (tokens [N] long, confidence [N] float)."""
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    confidence: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] -> (tokens [N] long, confidence [N] float; None for a greedy draw
+    without `confidence`). Greedy takes the first of the largest logits."""
     if params.greedy:
+        tokens = logits.argmax(dim=-1)
+        if not confidence:
+            return tokens, None
         probs = torch.softmax(logits.float(), dim=-1)
-        conf, tokens = probs.max(dim=-1)
-        return tokens, conf
+        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
     probs = filtered_probs(logits.float(), params)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
