@@ -119,3 +119,20 @@ def test_the_shared_estimates_drift_once_per_step_at_any_batch(monkeypatch):
         events.append(event)
     assert len(calls) == events[-1].step > 3  # one per step of the loop, not per row
     assert all(m is model for m in calls)
+
+
+def test_a_row_keeps_estimates_only_for_the_sources_it_drafts_from():
+    """Each estimate relaxes every step; a row holds those of its own draft sources only."""
+    import torch
+
+    from clover.decoding.policies import make_policy
+    from clover.decoding.rows import SpecRow
+
+    def sources(draft: str) -> set[str]:
+        policy = make_policy("self_spec", 4, draft=draft)
+        return set(SpecRow(0, [1, 2, 3], 8, policy, torch.Generator()).acceptance)
+
+    assert sources("lookup") == {"lookup"} and sources("mask") == set()
+    assert sources("drafter+lookup") == {"drafter", "lookup"}
+    assert sources("lookup+store") == {"lookup", "store"}
+    assert sources("drafter+lookup+store") == {"drafter", "lookup", "store"}

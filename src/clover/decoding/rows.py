@@ -379,9 +379,13 @@ class SpecRow(Row):
         # the machine's pass costs (decoding/costs.py), set by the loop when the policy adapts
         # its draft lengths; then each source's acceptance decides how far to draft
         self.costs: PassCosts | None = None
-        self.acceptance = {"lookup": Acceptance(NgramIndex.LONG),
-                           "store": Acceptance(self.policy.block_size - 1),
-                           "drafter": Acceptance(self.policy.block_size - 1)}  # fmt: skip
+        # one estimate per source this row drafts from (each relaxes every step: in a batch
+        # of 8 that was 24 list updates a step for a lookup-only row's one source)
+        sources = {"lookup": self.looks_up, "store": "store" in self.policy.draft,
+                   "drafter": self.uses_drafter}  # fmt: skip
+        sizes = {"lookup": NgramIndex.LONG, "store": self.policy.block_size - 1,
+                 "drafter": self.policy.block_size - 1}  # fmt: skip
+        self.acceptance = {s: Acceptance(sizes[s]) for s, used in sources.items() if used}
 
     def share_acceptance(self, model: object) -> None:
         """Start from, and report to, the acceptance the model's earlier rows saw."""
