@@ -132,6 +132,19 @@ def test_configs_parse_and_round_trip():
     assert all(DecoderConfig.parse(c.name) == c for c in fixed)
     assert fixed[0].policy().adaptive is False and fixed[0].settings(8).policy().adaptive is False
     assert configs[4].policy().adaptive is True
+    # `default`: the model's own decoding, once it is known (before: `ar` holds its place)
+    from types import SimpleNamespace
+
+    coder = SimpleNamespace(default_decoder="self_spec", block_size=4, draft="drafter+lookup")
+    mine = DecoderConfig.model_default(coder)
+    assert mine.name == "self_spec:4:drafter+lookup"
+    assert [c.name for c in parse_configs("ar,default", mine)] == ["ar", mine.name]
+    assert [c.name for c in parse_configs("ar,default")] == ["ar"]
+    smol = SimpleNamespace(default_decoder="ar", block_size=32, draft="mask")
+    assert DecoderConfig.model_default(smol) == DecoderConfig()
+    lc = DecoderConfig.model_default(SimpleNamespace(default_decoder="low_confidence",
+                                                     block_size=8))  # fmt: skip
+    assert lc.name == "low_confidence:8:0.95"
     for bad in ("beam:4", "low_confidence", "self_spec:x", "ar:4", "self_spec:4:ngram",
                 "low_confidence:4:lookup", "self_spec:4:lookup:slide"):  # fmt: skip
         with pytest.raises(CloverError):
@@ -256,11 +269,13 @@ def test_gpu_script_runs_on_cpu_at_tiny_shape():
 def test_cli_quality_speed_plot(tiny_checkpoint, tmp_path, capsys):
     q = tmp_path / "q.json"
     rc = main(["bench", "quality", "-m", str(tiny_checkpoint), "--limit", "4", "--max-tokens",
-               "4", "--configs", "ar,low_confidence:4:0.9", "--reference", "none",
+               "4", "--configs", "ar,low_confidence:4:0.9,default", "--reference", "none",
                "--dtype", "float32", "--out", str(q)])  # fmt: skip
     assert rc == 0
     report = json.loads(q.read_text())
     assert report["command"] and report["machine"]["cores"] and len(report["items"]) == 4
+    # `default`: the tiny checkpoint's own decoding (its config: low_confidence, block 32)
+    assert list(report["summary"]) == ["ar", "low_confidence:4:0.9", "low_confidence:32:0.95"]
     assert (tmp_path / "q-frontier.png").stat().st_size > 0
     assert (tmp_path / "q-trace.png").stat().st_size > 0
     s = tmp_path / "s.json"

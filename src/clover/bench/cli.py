@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from clover.bench.common import (
+    DecoderConfig,
     command_line,
     machine,
     model_label,
@@ -94,7 +95,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         a.tokens, a.reps, a.prompts = a.tokens or 32, a.reps or 1, a.prompts or 1
         a.dtypes = a.dtypes or "auto"
     tokens, reps, n_prompts = a.tokens or 128, a.reps or 3, a.prompts or len(PROMPTS)
-    configs = parse_configs(a.configs or DEFAULT_CONFIGS)
+    configs = parse_configs(a.configs or DEFAULT_CONFIGS)  # checked before any load
     batches = sorted({int(b) for b in a.batch.split(",")})
     peers = {p.strip() for p in a.peers.split(",") if p.strip()}
     notes: list[str] = []
@@ -103,6 +104,9 @@ def cmd_speed(a: argparse.Namespace) -> int:
         llm = LLM(a.model, dtype=dt.strip(), progress=False, device=a.device,
                   adapter=a.adapter, drafter=a.drafter, store=a.store)  # fmt: skip
         llms.setdefault(llm.dtype, llm)  # `auto` may resolve to float32 itself
+    # `default`: the model's own decoding (the same at every precision)
+    default = DecoderConfig.model_default(next(iter(llms.values())).config)
+    configs = parse_configs(a.configs or DEFAULT_CONFIGS, default)
     compiled = []
     if a.compile:  # a second, compiled copy per precision: rows side by side with eager
         for dt in list(llms):
@@ -246,10 +250,12 @@ def cmd_quality(a: argparse.Namespace) -> int:
     machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
         a.limit = a.limit or 8
-    configs = parse_configs(a.configs or "ar,low_confidence:32:0.95,self_spec:4,self_spec:4:lookup")
+    text = a.configs or "ar,low_confidence:32:0.95,self_spec:4,self_spec:4:lookup,default"
+    parse_configs(text)  # checked before the load
     items = load_suite(a.suite, limit=a.limit)
     llm = LLM(a.model, dtype=a.dtype, progress=False, adapter=a.adapter, drafter=a.drafter,
               store=a.store)  # fmt: skip
+    configs = parse_configs(text, DecoderConfig.model_default(llm.config))
     if a.store_frozen and existing_store(llm.model) is not None:
         existing_store(llm.model).learning = False
     reference = None
@@ -384,8 +390,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     s = kinds.add_parser("speed", help="tokens/s, NFE, TPF, TTFT, RSS: ours vs peers")
     s.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
-    s.add_argument("--configs", "--decoders", help="comma list (default: ar, low_confidence "
-                   "8/16/32 x 0.9/0.95, self_spec 4/8)")  # fmt: skip
+    s.add_argument("--configs", "--decoders", help="comma list; `default` is the model's own "
+                   "decoding (default: ar, low_confidence 8/16/32 x 0.9/0.95, self_spec 4/8, "
+                   "self_spec:4:lookup, default)")  # fmt: skip
     s.add_argument("--dtypes", help="our precisions, comma list (default auto,float32)")
     s.add_argument("--peers", default="transformers,llama.cpp", help="'' for none")
     s.add_argument("--tokens", type=int, help="output tokens per row (128; quick 32)")
@@ -417,8 +424,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8",
                    "int4"])  # fmt: skip
     q.add_argument("--configs", "--decoders",
-                   help="comma list (default ar,low_confidence:32:0.95,self_spec:4,"
-                   "self_spec:4:lookup)")  # fmt: skip
+                   help="comma list; `default` is the model's own decoding (default ar,"
+                   "low_confidence:32:0.95,self_spec:4,self_spec:4:lookup,default)")  # fmt: skip
     q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
     q.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     q.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs")

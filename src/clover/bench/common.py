@@ -8,7 +8,9 @@ other than the block's masks is a third field: `self_spec:4:lookup`,
 what this machine's pass costs make pay (`self_spec:16:lookup+store:fixed`); a drafter's
 drafts verified as a tree of N tokens add `treeN` (`self_spec:16:drafter:fixed:tree15`). It is
 what the CLI takes and what the results files use as row names, so a row in a JSON file can
-be pasted back onto the command line.
+be pasted back onto the command line. `default` stands for the loaded model's own default
+decoding (the coder 0.5B's is `self_spec:4:drafter+lookup`); rows carry the name of what it
+stood for.
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ class DecoderConfig:
         tail = ":slide" if self.slide else ""
         return f"low_confidence:{self.block_size}:{self.threshold:g}{tail}"
 
+    @classmethod
+    def model_default(cls, config: object) -> DecoderConfig:
+        """The decoding a model runs when a request names none (`LLM.default_settings`)."""
+        decoder = getattr(config, "default_decoder", "ar")
+        if decoder == "ar":
+            return cls()
+        block = int(getattr(config, "block_size", 32))
+        if decoder == "self_spec":
+            return cls("self_spec", block, draft=getattr(config, "draft", "mask"))
+        return cls(decoder, block)
+
     def settings(self, max_tokens: int) -> object:
         from clover.engine import GenerationSettings
 
@@ -116,10 +129,18 @@ class DecoderConfig:
         )
 
 
-def parse_configs(text: str | list[str]) -> list[DecoderConfig]:
-    """A comma list or a list of config strings -> configs (duplicates dropped, in order)."""
+def parse_configs(
+    text: str | list[str], default: DecoderConfig | None = None
+) -> list[DecoderConfig]:
+    """A comma list or a list of config strings -> configs (duplicates dropped, in order);
+    `default` is what the word `default` stands for (the model's own decoding, known once it
+    is loaded: None checks everything else and keeps `ar` in its place)."""
     items = text.split(",") if isinstance(text, str) else list(text)
-    configs = [DecoderConfig.parse(t) for t in items if t.strip()]
+    configs = [
+        (default or DecoderConfig()) if t.strip() == "default" else DecoderConfig.parse(t)
+        for t in items
+        if t.strip()
+    ]
     if not configs:
         raise CloverError("no decoder configs given")
     return list(dict.fromkeys(configs))

@@ -42,7 +42,7 @@ DEFAULT_CONFIGS = (
     "low_confidence:8:0.9,low_confidence:8:0.95,"
     "low_confidence:16:0.9,low_confidence:16:0.95,"
     "low_confidence:32:0.9,low_confidence:32:0.95,"
-    "self_spec:4,self_spec:8,self_spec:4:lookup"
+    "self_spec:4,self_spec:8,self_spec:4:lookup,default"
 )
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
