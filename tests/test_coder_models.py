@@ -86,3 +86,30 @@ def test_coder_05b_logits_match_transformers_gguf_loader():
         theirs = hf(torch.tensor([ids])).logits[0]
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_coder_s_default_drafts_from_its_shipped_drafter_and_keeps_ar_s_answers():
+    """The default model at its default precision (int4) attaches the drafter Clover ships,
+    and its default decoding (self_spec, block 4, drafter+lookup) gives `ar`'s tokens: verify
+    passes of at most 4 tokens give each position what a one-token step does. Fixed draft
+    lengths, so that the drafter drafts every pass whatever this machine's costs say."""
+    from pathlib import Path
+
+    from clover.engine import LLM
+
+    pulled("qwen2.5-coder-0.5b")
+    llm = LLM("qwen2.5-coder-0.5b", progress=False)
+    # cold prefills only: a warm prompt's new tokens pass in fewer rows, which int4 rounds
+    # another way (README, "Prefix cache across requests"), whatever the decoder
+    llm.set_prefix_cache(0)
+    assert Path(llm.drafter).name == "qwen2.5-coder-0.5b.safetensors"
+    assert (llm.config.default_decoder, llm.config.block_size, llm.config.draft) == (
+        "self_spec", 4, "drafter+lookup")  # fmt: skip
+    asks = ["Write a Python function that reverses a string.", "What is a linked list?"]
+    for ask in asks:
+        messages = [{"role": "user", "content": ask}]
+        spec = llm.chat(messages, max_tokens=40, adaptive=False)
+        ar = llm.chat(messages, max_tokens=40, decoder="ar")
+        assert spec.token_ids == ar.token_ids
+        assert spec.drafts.get("drafter", [0])[0] > 0 and spec.nfe < ar.nfe
