@@ -113,3 +113,22 @@ def test_the_coder_s_default_drafts_from_its_shipped_drafter_and_keeps_ar_s_answ
         ar = llm.chat(messages, max_tokens=40, decoder="ar")
         assert spec.token_ids == ar.token_ids
         assert spec.drafts.get("drafter", [0])[0] > 0 and spec.nfe < ar.nfe
+
+
+@pytest.mark.slow
+def test_info_names_the_coder_s_decoding_and_shipped_drafter(capsys):
+    """`clover info` shows what `load` gives the entry: its decoding (it printed the GGUF's
+    `ar`) and the drafter file it attaches, whose own header `clover info FILE` reads."""
+    import json
+    from pathlib import Path
+
+    from clover.cli import main
+
+    pulled("qwen2.5-coder-0.5b")
+    assert main(["info", "qwen2.5-coder-0.5b", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["default_decoder"], info["block_size"], info["draft"]) == (
+        "self_spec", 4, "drafter+lookup")  # fmt: skip
+    assert info["adapter"] is None and Path(info["drafter"]).is_file()
+    assert main(["info", info["drafter"], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "qwen2.5-coder-0.5b"

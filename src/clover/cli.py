@@ -322,9 +322,10 @@ def cmd_info(a: argparse.Namespace) -> int:
         "default_decoder": config.default_decoder,
         "block_size": config.block_size,
         "draft": config.draft,
-        # files Clover ships for this entry, attached when it loads
-        "adapter": entry.adapter if entry else None,
-        "drafter": entry.drafter if entry else None,
+        # files Clover ships for this entry, attached when it loads (`clover info FILE` reads
+        # one's header)
+        "adapter": str(entry.adapter_path) if entry and entry.adapter else None,
+        "drafter": str(entry.drafter_path) if entry and entry.drafter else None,
         "license": license_,
     }
     if a.plan:
