@@ -154,11 +154,16 @@ def test_metrics_text():
     m.request("/v1/completions", 200)
     m.first_token(0.2)
     m.finished(10, 30, 12, 1.5)
+    m.finished(5, 20, 9, 0.5, {"drafter": [12, 5], "lookup": [6, 4]})
+    m.finished(5, 20, 9, 0.5, {"drafter": [3, 1]})
     text = m.render(None, loaded=False)
+    assert 'clover_draft_tokens_total{source="drafter",outcome="drafted"} 15' in text
+    assert 'clover_draft_tokens_total{source="drafter",outcome="kept"} 6' in text
+    assert 'clover_draft_tokens_total{source="lookup",outcome="kept"} 4' in text
     assert 'clover_requests_total{route="/v1/completions",code="200"} 1' in text
-    assert "clover_generation_tokens_total 30" in text
-    assert 'clover_request_latency_seconds_bucket{le="2.5"} 1' in text
-    assert 'clover_tokens_per_forward_bucket{le="3"} 1' in text
+    assert "clover_generation_tokens_total 70" in text
+    assert 'clover_request_latency_seconds_bucket{le="2.5"} 3' in text
+    assert 'clover_tokens_per_forward_bucket{le="3"} 3' in text
     assert "clover_model_loaded 0" in text and "clover_queue_depth 0" in text
 
 
@@ -206,3 +211,19 @@ def test_serve_loads_the_drafter_and_gguf_precision_it_was_given(monkeypatch):
     assert (a.drafter, a.gguf_wide) == ("d.safetensors", "int4")
     runtime.Runtime(ServeOptions(model="m.gguf", drafter=a.drafter, wide=a.gguf_wide)).loader()
     assert seen["drafter"] == "d.safetensors" and seen["wide"] == "int4"
+
+
+def test_a_finished_call_reports_its_answers_draft_tokens_to_the_metrics():
+    """Each answer's self_spec drafts (source -> [drafted, kept]) reach /metrics summed."""
+    from clover.engine import Completion
+    from clover.serving.responses import Call
+
+    class Runtime:
+        metrics = Metrics()
+
+    answers = [Completion("a", [1, 2], 3, "stop", 2, seconds=1.0, drafts={"drafter": [4, 2]}),
+               Completion("b", [3], 3, "stop", 1, seconds=1.0,
+                          drafts={"drafter": [1, 1], "lookup": [2, 0]})]  # fmt: skip
+    Call(Runtime(), True, "id", "m", None, None, [], 3).record(answers)
+    assert dict(Runtime.metrics.drafts) == {"drafter": [5, 3], "lookup": [2, 0]}
+    assert Runtime.metrics.completion_tokens == 3 and Runtime.metrics.nfe == 3

@@ -62,6 +62,8 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.tpf = Histogram(TPF_BUCKETS)
+        # self_spec: draft tokens by source (lookup, drafter, store, mask): drafted, kept
+        self.drafts: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     def request(self, route: str, status: int) -> None:
         with self._lock:
@@ -72,9 +74,18 @@ class Metrics:
             self.ttft.observe(seconds)
 
     def finished(
-        self, prompt_tokens: int, completion_tokens: int, nfe: int, seconds: float
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        nfe: int,
+        seconds: float,
+        drafts: dict[str, list[int]] | None = None,
     ) -> None:
+        """One request's answers done; `drafts`: source -> [drafted, kept] tokens over them."""
         with self._lock:
+            for source, (drafted, kept) in (drafts or {}).items():
+                self.drafts[source][0] += drafted
+                self.drafts[source][1] += kept
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self.nfe += nfe
@@ -111,6 +122,16 @@ class Metrics:
                 ("clover_tokens_per_forward", self.tpf, "Tokens per forward pass per answer."),
             ):
                 metric(name, "histogram", help_, hist.lines(name))
+            metric(
+                "clover_draft_tokens_total",
+                "counter",
+                "self_spec draft tokens by source: drafted, and kept by the verify passes.",
+                [
+                    f'clover_draft_tokens_total{{source="{s}",outcome="{o}"}} {n}'
+                    for s, counts in sorted(self.drafts.items())
+                    for o, n in zip(("drafted", "kept"), counts)
+                ],
+            )
         stats = getattr(scheduler, "stats", None)
         gauges = [
             ("clover_model_loaded", int(loaded), "1 once the model is loaded."),
