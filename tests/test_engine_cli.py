@@ -96,7 +96,9 @@ def test_cli_generate_self_spec_lookup_is_ar(tiny_checkpoint, capsys):
     ar = json.loads(capsys.readouterr().out)
     assert main(args + ["--decoder", "self_spec", "--block-size", "4", "--draft", "lookup"]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert spec["text"] == ar["text"] and spec["draft"] == "lookup"
+    assert spec["text"] == ar["text"] and spec["draft"] == "lookup" and "drafts" not in ar
+    assert set(spec["drafts"]) <= {"lookup"}  # source -> drafted and kept tokens
+    assert all(0 <= d["kept"] <= d["drafted"] for d in spec["drafts"].values())
     # a sliding window that is never confident beyond its first position: the AR answer
     slide = ["--decoder", "low_confidence", "--block-size", "4", "--threshold", "1", "--slide"]
     assert main(args + slide) == 0

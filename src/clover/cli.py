@@ -205,6 +205,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         stats["threshold"] = settings.threshold
         if settings.decoder == "self_spec":
             stats["draft"] = settings.draft
+            stats["drafts"] = {s: {"drafted": d, "kept": k} for s, (d, k) in c.drafts.items()}
         if settings.slide:
             stats["slide"] = True
         print(json.dumps(stats))
@@ -212,9 +213,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         spec = settings.decoder == "self_spec"
         how = f"draft {settings.draft}" if spec else f"threshold {settings.threshold}"
         how += ", sliding window" if settings.slide else ""
+        kept = ", ".join(f"{s} {k}/{d}" for s, (d, k) in sorted(c.drafts.items()))
+        kept = f", drafts kept {kept}" if kept else ""
         print(
             f"[{settings.decoder}, block {settings.block_size}, {how}] "
-            f"{c.output_tokens} tokens, NFE {c.nfe}, TPF {c.tpf:.2f}, "
+            f"{c.output_tokens} tokens, NFE {c.nfe}, TPF {c.tpf:.2f}{kept}, "
             f"{c.tokens_per_s:.1f} tok/s, load {llm.load_seconds:.2f}s, "
             f"peak RSS {stats['peak_rss_mb']:.0f} MB, finish {c.finish_reason}",
             file=sys.stderr,
