@@ -299,3 +299,31 @@ def test_requests_arriving_together_join_in_one_prefill_pass(checkpoint):
         assert events and events[-1]["type"] == "error", events
     ((_, _, row),) = running.rows.values()
     assert row.result.finish_reason == "length" and len(row.result.tokens) == 300
+
+
+def test_the_scheduler_s_answers_carry_their_drafts(checkpoint):
+    """A served self_spec answer reports its drafts (source -> [drafted, kept]) and the kept
+    count of each verify pass, as `LLM.generate`'s do: /metrics sums them."""
+    from clover.serving.scheduler import Scheduler
+    from tests.test_drafter import drafter_for
+
+    llm = LLM(str(checkpoint), dtype="float32", progress=False)
+    llm.set_prefix_cache(0)  # both answers prefill cold
+    object.__setattr__(llm.model, "drafter", drafter_for(llm.model))  # as LLM(drafter=F) does
+    settings = GenerationSettings(decoder="self_spec", block_size=4, draft="drafter+lookup",
+                                  adaptive=False, max_tokens=24)  # fmt: skip
+    prompt = llm.encode("a b c a b c a b c a b c a b c")
+    want = llm.generate(["a b c a b c a b c a b c a b c"], settings)[0]
+    sched = Scheduler(llm, max_running=2)
+    sched.start()
+    try:
+        ticket = sched.submit(prompt, settings)
+        while True:
+            event = ticket.events.get(timeout=60)
+            if event["type"] in ("done", "error"):
+                break
+    finally:
+        sched.shutdown(grace=5)
+    got = event["completion"]
+    assert got.token_ids == want.token_ids and got.drafts == want.drafts
+    assert sum(d for d, _ in got.drafts.values()) > 0 and got.accepted == want.accepted

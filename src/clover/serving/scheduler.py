@@ -284,6 +284,8 @@ class Scheduler:
                     nfe=r.nfe,
                     seconds=time.monotonic() - row.t_start,
                     steps=r.steps,
+                    drafts=r.drafts,  # self_spec: /metrics counts them
+                    accepted=r.accepted,
                     cached_tokens=r.cached_tokens,
                     prefill_seconds=r.prefill_seconds,
                 )
