@@ -1368,6 +1368,12 @@ def test_a_registry_entry_s_drafter_loads_with_its_model_and_drafts_by_default(
     assert [c.token_ids for c in default] == [c.token_ids for c in ar]
     assert any("drafter" in c.drafts for c in default)
     assert LLM("tiny-shipped", progress=False, drafter=str(mine)).drafter == str(mine)
+    # "none": not even the shipped one; the default drafts from context lookup instead
+    bare = LLM("tiny-shipped", progress=False, dtype="float32", drafter="none")
+    assert bare.drafter is None and getattr(bare.model, "drafter", None) is None
+    assert bare.config.draft == "lookup"
+    assert [c.token_ids for c in bare.generate(prompts, max_tokens=20)] == [
+        c.token_ids for c in ar]  # fmt: skip
     bad = ResolvedModel("tiny-shipped", Path(tiny_checkpoint), "hf",
                         replace(entry, drafter=wrong.name))  # fmt: skip
     monkeypatch.setattr(loader, "resolve", lambda name, progress=True: bad)

@@ -189,6 +189,8 @@ def test_serve_options_check_the_draft_source():
         ServeOptions(model="smollm2-135m", decoder="self_spec", draft="drafter+lookup").check()
     # the default model ships its drafter (clover/drafters/)
     ServeOptions(model="qwen2.5-coder-0.5b", decoder="self_spec", draft="drafter").check()
+    with pytest.raises(CloverError, match="needs --drafter FILE"):  # its own one left out
+        ServeOptions(model="qwen2.5-coder-0.5b", draft="drafter", drafter="none").check()
     ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors").check()
     ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors", tree=63).check()
     with pytest.raises(CloverError, match="--tree grows trees from a drafter"):

@@ -29,7 +29,8 @@ def peak_rss_mb() -> float:
 def _model_args(p: argparse.ArgumentParser, store: bool = True) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
-    p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter)")
+    p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter); "
+                   "none: not even the model's own")  # fmt: skip
     if store:
         p.add_argument(
             "--store",

@@ -264,7 +264,8 @@ def load(
 ) -> Loaded:
     """adapter: a draft adapter file to attach; a registry name that ships one attaches its
     own. drafter: a drafter file for self_spec draft="drafter" (a registry name that ships one
-    loads its own unless another is given). device: cpu, cuda, cuda:N or
+    loads its own unless another is given; "none": no drafter, and a default that drafted from
+    it drafts from the rest of its sources, lookup at least). device: cpu, cuda, cuda:N or
     auto (`resolve_device`): weights load on the CPU, then move. wide (int4 from a GGUF): the
     kernel of tensors stored wider than 4 bits (`mark_source_levels`)."""
     if dtype not in DTYPES and dtype != "auto":
@@ -298,7 +299,11 @@ def load(
             drafter = entry.drafter_path
         for key, value in (entry.decoding if entry else {}).items():
             setattr(net.config, key, value)
+        if str(drafter) == "none" and "drafter" in net.config.draft:  # the shipped one left out
+            net.config.draft = net.config.draft.replace("drafter+", "").replace("drafter", "lookup")
         mask_from_tokenizer(net.config, tokenizer)
+    if str(drafter) == "none":
+        drafter = None
     check_model_defaults(net.config)
     if adapter is not None:
         from clover.models.adapter import load_adapter

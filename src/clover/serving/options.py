@@ -65,9 +65,9 @@ class ServeOptions:
             raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
         if self.draft is not None and self.draft not in DRAFTS:
             raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
-        if self.draft is not None and "drafter" in self.draft and self.drafter is None:
+        if self.draft is not None and "drafter" in self.draft and self.drafter in (None, "none"):
             entry = KNOWN_MODELS.get(self.model.strip().lower())
-            if entry is None or entry.drafter is None:  # else the model's own drafter loads
+            if entry is None or entry.drafter is None or self.drafter == "none":
                 raise CloverError(
                     f"--draft {self.draft} needs --drafter FILE (clover train drafter)"
                 )
