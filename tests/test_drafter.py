@@ -790,6 +790,11 @@ def test_training_sets_the_draft_vocabulary_and_a_finished_run_rewrites_its_file
     config = read_drafter_config(path)
     assert config.draft_vocab == 64 and config.info["steps"] == 8
     assert len(load_drafter(path).vocab) == 64
+    # loaded with its target, its LM-head rows are made with the model, not in a first answer
+    from clover.engine import LLM
+
+    llm = LLM(str(tiny_checkpoint), dtype="float32", progress=False, drafter=str(path))
+    assert llm.model in llm.model.drafter.__dict__["_vocab_heads"]
 
 
 def test_cli_info_reads_a_drafter_file(tmp_path, capsys):

@@ -379,6 +379,24 @@ def test_packed_layout_round_trip():
         assert torch.equal(w.levels(), q.to(torch.int32))
 
 
+def test_row_levels_read_only_their_tiles_and_equal_the_whole_matrix_s_rows():
+    """A subset of rows (unsorted, repeated, across tiles) read back from only the 16-row
+    tiles holding them: the levels, scales and lows the whole matrix's read gives."""
+    g = torch.Generator().manual_seed(2)
+    rows = torch.tensor([70, 3, 3, 95, 16, 0, 64, 47])
+    for bits, lo, hi, group, low in ((4, 0, 16, 32, True), (8, -128, 128, 16, False),
+                                     (8, -16, 16, 32, False)):  # fmt: skip
+        q = torch.randint(lo, hi, (96, 64), generator=g)
+        scale = torch.rand(96, 64 // group, generator=g) + 0.1
+        lows = torch.randn(96, 64 // group, generator=g) if low else None
+        w = QWeight.from_levels(q, scale, lows, bits=bits)
+        levels, s, l_ = w.row_levels(rows)
+        assert torch.equal(levels, w.levels()[rows])
+        whole = w.group_scales()[rows]
+        assert torch.equal(s, whole[..., 0])
+        assert (l_ is None) == (not low) and (l_ is None or torch.equal(l_, whole[..., 1]))
+
+
 def test_5bit_levels_read_5_5_bits_a_weight():
     """GGUF Q5_0's levels (-16..15 in groups of 32, float16 scales) take 5.5 bits a weight, as
     in the file (8.5 as 8-bit levels); one level outside -16..15 keeps 8 bits."""

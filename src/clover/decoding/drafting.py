@@ -115,18 +115,24 @@ class DrafterRunner:
         # chunks' lengths cost a batch-8 step ~1 ms once backlogs held a hundred chunks each)
         self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
         if drafter.vocab is not None:
-            # made once per drafter and model (it reads the whole head: 0.22-0.25 s measured
-            # for 16,384 of SmolLM2's 49,152 rows; made per batch it cost every request that)
-            made = drafter.__dict__.setdefault("_vocab_heads", weakref.WeakKeyDictionary())
-            if model not in made:
-                from clover.quant import head_rows
-
-                vocab = drafter.vocab.to(model.model.embed_tokens.weight.device)
-                made[model] = (head_rows(model, vocab), vocab)
-            self.head, self.vocab = made[model]
+            self.head, self.vocab = self.vocab_head(model, drafter)
             # each token's column among the draft vocabulary's (-1: not in it)
             self.column = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
             self.column[self.vocab.cpu()] = torch.arange(len(self.vocab))
+
+    @staticmethod
+    def vocab_head(model: torch.nn.Module, drafter: Drafter) -> tuple:
+        """(the LM head's rows of the drafter's vocabulary, those ids), made once per drafter
+        and model: it reads most of the head's tiles (0.3 s for the coder's 16,384 of 151,936
+        rows; made per batch it cost every request that), so `load` makes it up front."""
+        made = drafter.__dict__.setdefault("_vocab_heads", weakref.WeakKeyDictionary())
+        if model not in made:
+            from clover.quant import head_rows, release_freed_memory
+
+            vocab = drafter.vocab.to(model.model.embed_tokens.weight.device)
+            made[model] = (head_rows(model, vocab), vocab)
+            release_freed_memory()  # the rows' levels, unpacked on the way
+        return made[model]
 
     @property
     def block_size(self) -> int:
