@@ -154,8 +154,8 @@ def test_metrics_text():
     m.request("/v1/completions", 200)
     m.first_token(0.2)
     m.finished(10, 30, 12, 1.5)
-    m.finished(5, 20, 9, 0.5, {"drafter": [12, 5], "lookup": [6, 4]})
-    m.finished(5, 20, 9, 0.5, {"drafter": [3, 1]})
+    m.finished(5, 20, 9, 0.5, [{"drafter": [12, 5], "lookup": [6, 4]}])
+    m.finished(5, 20, 9, 0.5, [{"drafter": [3, 1]}])
     text = m.render(None, loaded=False)
     assert 'clover_draft_tokens_total{source="drafter",outcome="drafted"} 15' in text
     assert 'clover_draft_tokens_total{source="drafter",outcome="kept"} 6' in text

@@ -15,7 +15,7 @@ dots read instead: 4.75 bits a Q4_K weight instead of 6, 8.6 a Q6_K one instead 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -214,16 +214,14 @@ class QWeight:
         0.75 s and ~0.5 GB for a drafter's 16,384 rows)."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         tiles, tile_of = torch.unique(rows // 16, return_inverse=True)
-        q = self.q[tiles.to(self.q.device)].contiguous()
-        levels = kernels.load().unpack_levels(
-            q, self.bits, self.group, len(tiles) * 16, self.in_features
-        )
-        G = self.in_features // self.group
-        scales = self.scales[tiles.to(self.scales.device)].float()  # [T, G, 1 or 2, 16]
-        s = scales.permute(0, 3, 1, 2).reshape(len(tiles) * 16, G, -1)
+        at = tiles.to(self.q.device)
+        # those tiles alone (their levels and scales; integer-dot extras are not read here)
+        sub = replace(self, out_features=len(tiles) * 16, q=self.q[at].contiguous(),
+                      scales=self.scales[at], mults=None, bases=None)  # fmt: skip
         local = tile_of * 16 + rows % 16
-        low = s[local, :, 1].contiguous() if self.has_low else None
-        return levels[local], s[local, :, 0].contiguous(), low
+        s = sub.group_scales()[local]
+        low = s[..., 1].contiguous() if self.has_low else None
+        return sub.levels()[local], s[..., 0].contiguous(), low
 
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K]: levels * scale + low (the reference for the kernel)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PREFIX_CACHE_METRICS = (  # keys of `PrefixCache.report()`; all 0 when the cache is off
@@ -79,13 +80,14 @@ class Metrics:
         completion_tokens: int,
         nfe: int,
         seconds: float,
-        drafts: dict[str, list[int]] | None = None,
+        drafts: Iterable[dict[str, list[int]]] = (),
     ) -> None:
-        """One request's answers done; `drafts`: source -> [drafted, kept] tokens over them."""
+        """One request's answers done; `drafts`: each answer's source -> [drafted, kept]."""
         with self._lock:
-            for source, (drafted, kept) in (drafts or {}).items():
-                self.drafts[source][0] += drafted
-                self.drafts[source][1] += kept
+            for answer in drafts:
+                for source, (drafted, kept) in answer.items():
+                    self.drafts[source][0] += drafted
+                    self.drafts[source][1] += kept
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self.nfe += nfe

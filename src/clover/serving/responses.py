@@ -112,11 +112,7 @@ class Call:
         tokens = sum(c.output_tokens for c in completions)
         nfe = sum(c.nfe for c in completions)
         seconds = time.monotonic() - self.started
-        drafts: dict[str, list[int]] = {}
-        for c in completions:
-            for source, (drafted, kept) in c.drafts.items():
-                totals = drafts.setdefault(source, [0, 0])
-                totals[0], totals[1] = totals[0] + drafted, totals[1] + kept
+        drafts = [c.drafts for c in completions]
         self.runtime.metrics.finished(self.prompt_tokens, tokens, nfe, seconds, drafts)
 
 
