@@ -304,8 +304,8 @@ def cmd_info(a: argparse.Namespace) -> int:
             config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
         name, path = resolved.name, str(resolved.path)
         license_ = resolved.entry.license if resolved.entry else None
-        for key, value in (resolved.entry.decoding if resolved.entry else {}).items():
-            setattr(config, key, value)  # the decoding `load` gives this entry
+        if resolved.entry is not None:  # the decoding `load` gives this entry
+            resolved.entry.apply_decoding(config)
     entry = None if a.model in PRESETS else resolved.entry
     total = config.num_params
     info = {

@@ -297,10 +297,8 @@ def load(
             adapter = entry.adapter_path
         if entry is not None and entry.drafter is not None and drafter is None:
             drafter = entry.drafter_path
-        for key, value in (entry.decoding if entry else {}).items():
-            setattr(net.config, key, value)
-        if str(drafter) == "none" and "drafter" in net.config.draft:  # the shipped one left out
-            net.config.draft = net.config.draft.replace("drafter+", "").replace("drafter", "lookup")
+        if entry is not None:
+            entry.apply_decoding(net.config, drafter)
         mask_from_tokenizer(net.config, tokenizer)
     if str(drafter) == "none":
         drafter = None

@@ -100,6 +100,15 @@ class ModelEntry:
             return None
         return Path(__file__).parents[1] / "drafters" / self.drafter  # clover/drafters/
 
+    def apply_decoding(self, config: object, drafter: object = None) -> None:
+        """Give `config` this entry's decoding defaults; with `drafter="none"` (the shipped
+        drafter left out) a default that drafts from it drafts from its other sources
+        (drafter+lookup -> lookup)."""
+        for key, value in self.decoding.items():
+            setattr(config, key, value)
+        if str(drafter) == "none" and "drafter" in config.draft:
+            config.draft = config.draft.replace("drafter+", "").replace("drafter", "lookup")
+
 
 _SMOLLM2 = ModelEntry(
     name="smollm2-135m",
