@@ -1138,7 +1138,8 @@ def test_tree_drafts_are_lossless_batched(draft, chain, monkeypatch):
     assert bool(grafted) == (draft == "drafter+lookup")
     assert draft == "drafter" or any(len(out[0]) > len(a[0]) for a, out in grafted)
     assert moved  # some kept branch was not the tree's first
-    assert max(max(r.accepted, default=0) for r in spec) <= 3  # no deeper than the chain
+    # no deeper than the chain, or than a long context match (the next test)
+    assert max(max(r.accepted, default=0) for r in spec) <= (3 if draft == "drafter" else 32)
 
 
 def test_graft_joins_a_chain_to_a_tree_as_one_more_branch():
@@ -1151,6 +1152,28 @@ def test_graft_joins_a_chain_to_a_tree_as_one_more_branch():
     assert graft(tokens, parents, [8]) == ([4, 5, 6, 7, 8], [-1, -1, 0, 2, -1])
     assert graft([], [], [3, 3]) == ([3, 3], [-1, 0])
     assert graft(tokens, parents, []) == (tokens, parents)
+
+
+def test_a_tree_takes_a_long_context_match_past_the_block(monkeypatch):
+    """A fixed tree row (drafter+lookup) grafts a long context match as far as it goes (up to
+    NgramIndex.LONG), not only block_size - 1 tokens: its pass is as wide as the tree plus the
+    match anyway. Float32 answers stay ar's; passes keep more than the block's 3 drafts."""
+    from clover.decoding import rows
+    from clover.decoding.drafting import DrafterRunner
+    from clover.decoding.policies import SelfSpec
+
+    monkeypatch.setattr(DrafterRunner, "COPY_BONUS", 0.0)
+    grafted = []
+    graft = rows.graft
+    monkeypatch.setattr(rows, "graft", lambda *a: grafted.append(len(a[2])) or graft(*a))
+    model = attached(tiny_model(seed=3), chain=True)  # its answers repeat an 11-token cycle
+    cycle = list(range(5, 15))
+    prompts = [cycle * 2 + cycle[:3], [9, 10]]
+    ar = decoded(model, prompts, "ar", 40)
+    policy = SelfSpec(block_size=4, draft="drafter+lookup", adaptive=False, tree=9)
+    spec = decoded(model, prompts, policy, 40)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert max(grafted) > 3 and max(max(r.accepted, default=0) for r in spec) > 3
 
 
 def test_tree_drafts_are_refused_where_they_cannot_run():

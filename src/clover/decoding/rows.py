@@ -435,8 +435,9 @@ class SpecRow(Row):
         room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
         most = min(self.policy.block_size - 1, room)
         self._source = "lookup"
-        if self.costs is None:  # fixed: block_size - 1 drafted tokens at most
-            found = self.context.draft(most)
+        if self.costs is None:  # fixed: block_size - 1 drafted tokens at most, but a tree
+            # row's pass is as wide as its tree plus the match anyway: a long match goes on
+            found = self.context.draft(most, room if self.grows_tree else None)
         else:  # long matches may draft far; as far as this machine and these matches pay
             found = self.context.draft(most, room)
             found = found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
