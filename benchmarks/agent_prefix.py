@@ -91,11 +91,11 @@ TOOL_CALLS = [  # (name, arguments, result) for every third turn
 def system_prompt(model: str, target: int) -> tuple[str, int]:
     """Instructions grown rule by rule until the rendered system turn (with the tool schemas)
     reaches `target` tokens of the model's tokenizer; -> (text, its token count)."""
-    from clover.checkpoints import prepare_checkpoint, resolve
+    from clover.checkpoints import resolve, tokenizer_dir
     from clover.serving.tools import render_inputs, template_knows_tools
     from clover.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(prepare_checkpoint(resolve(model, progress=False), False))
+    tok = Tokenizer.from_dir(tokenizer_dir(resolve(model, progress=False), False))
     knows = template_knows_tools(tok)
     lines = ["You are a careful coding agent working in a Python repository. Follow these rules."]
     n = 0

@@ -132,7 +132,7 @@ def build(a: str, b: str, work: Path) -> Path:
     compiler = shutil.which("g++")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         raise SystemExit("needs g++ on an x86-64 machine (the kernel is AVX2)")
-    flags = ["-O3", "-std=c++17", "-fopenmp"]
+    flags = ["-O3", "-std=c++17", "-fopenmp"]  # standalone sources, no PyTorch headers
     objects = []
     rename = ["-Dqgemm_tiles_dots_avx2=qgemm_tiles_dots_avx2_b",
               "-Dquantize_rows_avx2=quantize_rows_avx2_b"]  # fmt: skip

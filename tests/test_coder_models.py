@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from clover.checkpoints import registry
-from clover.checkpoints.loader import prepare_checkpoint
+from clover.checkpoints.loader import tokenizer_dir
 from clover.checkpoints.registry import KNOWN_MODELS, resolve
 
 
@@ -50,7 +50,7 @@ def test_qwen_chat_template_with_tools_matches_transformers():
 
     from clover.tokenizer import Tokenizer
 
-    directory = prepare_checkpoint(pulled("qwen2.5-coder-0.5b"), progress=False)
+    directory = tokenizer_dir(pulled("qwen2.5-coder-0.5b"), progress=False)
     ours, hf = Tokenizer.from_dir(directory), AutoTokenizer.from_pretrained(str(directory))
     for messages in CONVERSATIONS:
         for kw in ({}, {"tools": TOOLS}):

@@ -534,16 +534,16 @@ def test_fused_layers_verify_trees_of_drafts_as_the_modules(isa, monkeypatch):
                 c.rollback(torch.tensor([T, T]))
 
 
-@pytest.mark.parametrize("apart", [(), ("v_proj", "up_proj")])
-def test_fused_layers_of_a_long_prefill(apart, monkeypatch):
+@pytest.mark.parametrize("apart", [(), ("attn_v", "ffn_up")])
+def test_fused_layers_of_a_long_prefill(apart, tmp_path, monkeypatch):
     """A first prefill of 2 x 230 rows (a long prompt, a drafter's features): the matmuls sweep
     the weights in chunks of rows, parts kept apart write their columns of one output in
     place, and attention is SDPA's causal one; the same to the bit as one sweep, and close to
     the modules on every valid position."""
-    model = tiny_llama("qwen2")
     if apart:
-        mark_8bit_levels(model, group16=apart)
-    fast, ref = fused_and_modules(model)
+        fast, ref = packed_pair(tmp_path, monkeypatch, group16=apart)
+    else:
+        fast, ref = fused_and_modules(tiny_llama("qwen2"))
     ids = torch.randint(4, 256, (2, 230), generator=torch.Generator().manual_seed(9))
     valid = torch.tensor([230, 200])
     with torch.inference_mode():
@@ -561,40 +561,44 @@ def test_fused_layers_of_a_long_prefill(apart, monkeypatch):
             assert float((x - y).abs().max()) < 0.02 * float(y.abs().max())
 
 
-def mark_8bit_levels(model: LlamaModel, group16: tuple[str, ...] = ()) -> None:
-    """As the loader marks a GGUF's wider tensors (Q5_0/Q8_0: symmetric 8-bit levels in groups
-    of 32; Q6_K: groups of 16): `levels()` and `level_bits` = 8 on every decoder linear."""
+def packed_pair(
+    tmp_path, monkeypatch, group16: tuple[str, ...] = (), arch: str = "qwen2"
+) -> tuple[LlamaModel, LlamaModel]:
+    """A GGUF whose linears are all stored wider than 4 bits (Q8_0: 8-bit levels in groups of
+    32; those in `group16` Q6_K: groups of 16), packed as the loader packs it: fused layers
+    and, separately loaded, the module path."""
+    from clover.checkpoints.loader import load
+    from tests.gguf_files import LINEARS, write_gguf
 
-    def levels(w: torch.Tensor, group: int) -> tuple:
-        wg = w.detach().float().reshape(w.shape[0], -1, group)
-        scale = (wg.abs().amax(-1) / 127).clamp(min=1e-8)
-        q = (wg / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(w.shape)
-        return q, scale, None, 8
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "wide.gguf"
+    types = {n: "Q6_K" if n in group16 else "Q8_0" for n in LINEARS}
+    write_gguf(
+        path,
+        types,
+        arch=arch,
+        config={"num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512},
+    )
+    fast = load(str(path), dtype="int4", progress=False).model
+    ref = load(str(path), dtype="int4", progress=False).model
+    ref.fused = False
+    return fast, ref
 
-    for name, linear in model.model.layers.named_modules():
-        if isinstance(linear, torch.nn.Linear):
-            group = 16 if name.endswith(group16) and group16 else 32
-            linear.levels = lambda w=linear.weight, g=group: levels(w, g)
-            linear.level_bits = 8
 
-
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_fused_layers_take_8bit_levels(model_type):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_layers_take_8bit_levels(arch, tmp_path, monkeypatch):
     """A GGUF whose q/k/v and gate/up are all stored wider than 4 bits (Qwen2.5-Coder-0.5B's
     Q5_0/Q8_0) gets them packed as one 8-bit matrix each, with every part's own levels, and
     the fused layer path; it agrees with the modules."""
-    model = tiny_llama(model_type)
-    mark_8bit_levels(model)
-    fast, ref = fused_and_modules(model)
-    alone = quantize_model(copy.deepcopy(model), fuse=False)
+    fast, ref = packed_pair(tmp_path, monkeypatch, arch=arch)
     attn = fast.model.layers[0].self_attn
     assert isinstance(attn.fused_q_proj, Int8Linear) and isinstance(attn.q_proj, Int4Part)
-    x = torch.randn(3, 128)
-    one = alone.model.layers[0].self_attn
+    x = torch.randn(3, 256)
     with torch.inference_mode():
-        for got, want in zip(project(x, attn.q_proj, attn.k_proj, attn.v_proj),
-                             (one.q_proj(x), one.k_proj(x), one.v_proj(x))):  # fmt: skip
-            assert torch.equal(got, want)  # packing keeps each part's levels and bias
+        whole = attn.fused_q_proj(x)
+        for got, p in zip(project(x, attn.q_proj, attn.k_proj, attn.v_proj),
+                          (attn.q_proj, attn.k_proj, attn.v_proj)):  # fmt: skip
+            assert torch.equal(got, whole[..., p.start : p.stop])  # one call, each its columns
         ids = torch.randint(4, 256, (2, 7))
         cf, cr = fast.make_cache(2), ref.make_cache(2)
         for step in (ids, ids[:, :1], ids[:, :4]):
@@ -603,18 +607,16 @@ def test_fused_layers_take_8bit_levels(model_type):
             assert float((a.float() - b.float()).abs().max()) < 0.02 * float(b.float().abs().max())
 
 
-@pytest.mark.parametrize("apart", [("v_proj",), ("v_proj", "up_proj")])
-def test_8bit_parts_of_other_groups_stay_apart(apart):
+@pytest.mark.parametrize("apart", [("attn_v",), ("attn_v", "ffn_up")])
+def test_8bit_parts_of_other_groups_stay_apart(apart, tmp_path, monkeypatch):
     """v (and up) in groups of 16 (Q6_K) beside the rest in groups of 32: no packed matrix for
     q/k/v (gate/up), so the fused layer takes the parts one by one, and agrees with the
     modules (a Qwen2.5-1.5B Q4_K_M file has this in half its layers)."""
-    model = tiny_llama("qwen2")
-    mark_8bit_levels(model, group16=apart)
-    fast, ref = fused_and_modules(model)
+    fast, ref = packed_pair(tmp_path, monkeypatch, group16=apart)
     attn, mlp = fast.model.layers[0].self_attn, fast.model.layers[0].mlp
     assert not hasattr(attn, "fused_q_proj") and isinstance(attn.v_proj, Int8Linear)
     assert attn.v_proj.weight.group == 16
-    assert hasattr(mlp, "fused_gate_proj") == ("up_proj" not in apart)
+    assert hasattr(mlp, "fused_gate_proj") == ("ffn_up" not in apart)
     ids = torch.randint(4, 256, (2, 7))
     with torch.inference_mode():
         cf, cr = fast.make_cache(2), ref.make_cache(2)

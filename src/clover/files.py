@@ -1,4 +1,5 @@
-"""Writing a file so that readers see the old one or the whole new one, never a part of it.
+"""Where Clover keeps derived files (`cache_dir`), and writing a file so that readers see the
+old one or the whole new one, never a part of it.
 
 Every file Clover keeps across runs (drafters, adapters, assembled checkpoints, the cache's
 records, measured pass costs, a server's learned store, benchmark results) goes through
@@ -14,6 +15,8 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from clover.errors import CloverError
 
 
 def atomic_write(
@@ -48,3 +51,19 @@ def atomic_write(
 def atomic_write_text(path: str | Path, text: str, mode: int = 0o644, durable: bool = True) -> Path:
     """`atomic_write` of a whole text (UTF-8)."""
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), mode, durable)
+
+
+def cache_dir() -> Path:
+    """Where Clover keeps derived files: $CLOVER_CACHE, else $XDG_CACHE_HOME/clover, else
+    ~/.cache/clover. Created on first use."""
+    if os.environ.get("CLOVER_CACHE"):
+        path = Path(os.environ["CLOVER_CACHE"]).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        path = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "clover"
+    else:
+        path = Path.home() / ".cache" / "clover"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CloverError(f"cannot create the cache directory {path}: {exc}") from None
+    return path

@@ -1,16 +1,15 @@
 """Weight-only quantized linears for CPU inference (the `int4` precision).
 
 Why: one decoding step at batch 1 reads every weight once, so on a CPU its time is memory
-traffic. 4-bit weights read a quarter of bfloat16's bytes; PyTorch's CPU int4 matmul kernel
-computes with bfloat16 activations. Group-wise asymmetric 4-bit with groups of 32 along the
-input dimension is the layout of GGUF Q4_1, so a Q4_1 checkpoint re-quantized this way keeps
-its own levels (only the per-group scale and offset are rounded to bfloat16). The LM head (tied
-to the embedding, Q8_0 in the default GGUF) gets 8-bit per-channel weights instead.
+traffic. 4-bit weights read a quarter of bfloat16's bytes. A GGUF's own levels come packed by
+`checkpoints.packed` (`quantized_linear`); a float checkpoint (an HF directory) is quantized
+here: decoder linears to 4-bit groups of 32 along the input dimension (the layout of GGUF
+Q4_1), the LM head to 8 bits per output row (`quantize_model`).
 
 Projections that read the same input (q/k/v, gate/up) are packed as one matrix (`Int4Part`):
-the kernel has a fixed cost per call that dominates at batch 1 for matrices this small (one
-576 x 960 call: 40 us; q, k and v apart: 70 us, measured here). Quantization is per output
-row, so the packed matrix holds exactly the levels the separate ones would.
+the kernel has a fixed cost per call that dominates at batch 1 for matrices this small.
+Levels are per output row, so the packed matrix holds exactly the levels the separate ones
+would.
 
 The tests compare each kernel with a plain matmul on the dequantized weights (the reference).
 """
@@ -45,23 +44,6 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, ..
     return q.reshape(N, K), scale, low
 
 
-def int4_levels(linear: nn.Linear, group: int = GROUP) -> tuple[torch.Tensor, ...]:
-    """A linear's 4-bit levels (q, scale, low) as `quantize_int4` returns them: its source's
-    own when the loader attached 4-bit ones (`linear.levels()` -> (q, scale, low, bits), e.g.
-    a GGUF Q4_K tensor's: nothing re-derived; its weight may be on the meta device, never
-    read), else fresh ones (from the source's wider levels, or from the weight)."""
-    given = getattr(linear, "levels", None)
-    if given is None:
-        return quantize_int4(linear.weight.detach(), group)
-    q, scale, low, bits = given()
-    if bits == 4:
-        return q, scale, low
-    G = scale.shape[1]  # wider levels (load(wide="int4")): their values, rounded to 4 bits
-    w = q.float().reshape(q.shape[0], G, -1) * scale[..., None]
-    w = (w if low is None else w + low[..., None]).reshape(q.shape)
-    return quantize_int4(w, group)
-
-
 def int4_fits(linear: nn.Module, group: int = GROUP) -> bool:
     """The CPU kernels take whole groups along K and 16-row tiles along N."""
     return linear.in_features % group == 0 and linear.out_features % 16 == 0
@@ -77,7 +59,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: int = GROUP) -> None:
         super().__init__()
-        q, scale, low = int4_levels(linear, group)
+        q, scale, low = quantize_int4(linear.weight.detach(), group)
         self._set(q, scale, low, linear.bias)
 
     @classmethod
@@ -156,24 +138,10 @@ def _fuse_int4(module: nn.Module, names: tuple[str, ...], group: int) -> None:
         return
     if not all(int4_fits(b, group) for b in bases):
         return
-    bits = {getattr(b, "level_bits", 4) for b in bases}
     bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
     # levels are per output row, so the packed matrix holds each part's own levels
-    if bits == {4}:
-        levels = [int4_levels(b, group) for b in bases]
-        fused = Int4Linear.from_levels(*(torch.cat(x) for x in zip(*levels)), bias)
-    elif bits == {8} and kernels.load() is not None:
-        # parts that all keep their source's 8-bit levels (GGUF Q5_0/Q8_0...): one matrix when
-        # they share the group and the form (symmetric or with a low), else they stay apart
-        levels = [b.levels()[:3] for b in bases]
-        if len({scale.shape[1] for _, scale, _ in levels}) != 1:
-            return  # (one in_features: the same count of groups is the same group)
-        if len({low is None for _, _, low in levels}) != 1:
-            return
-        q, scale, low = (None if x[0] is None else torch.cat(x) for x in zip(*levels))
-        fused = Int8Linear.from_levels(q, scale, low, bias)
-    else:
-        return  # 4-bit parts beside 8-bit ones (see quantize_model): each keeps its own
+    levels = [quantize_int4(b.weight.detach(), group) for b in bases]
+    fused = Int4Linear.from_levels(*(torch.cat(x) for x in zip(*levels)), bias)
     setattr(module, f"fused_{names[0]}", fused)
     start = 0
     for name, o, b in zip(names, outer, bases):
@@ -223,6 +191,22 @@ def project_cat(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
         inplace = inplace and out is part
         outs.append(out)
     return y if inplace else torch.cat(outs, -1)
+
+
+def quantized_linear(weight: QWeight, bias: torch.Tensor | None = None) -> nn.Module:
+    """An Int4Linear (4-bit levels) or Int8Linear (5- and 8-bit) over a packed matrix as it
+    is, e.g. one mapped from a packed GGUF (`checkpoints.packed`). bias: float32 [N]."""
+    cls = Int4Linear if weight.bits == 4 else Int8Linear
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    module.weight = weight
+    module.bias = None if bias is None else bias.detach().float()
+    module.in_features, module.out_features = weight.in_features, weight.out_features
+    if cls is Int4Linear:
+        module.group = weight.group
+    else:
+        module.scale = None
+    return module
 
 
 class Int8Linear(nn.Module):
@@ -319,12 +303,6 @@ def quantize_model(
             if mode == "int8":
                 setattr(module, name, Int8Linear(child.weight, child.bias))
                 changed = True
-            elif getattr(child, "level_bits", 4) == 8:
-                # the loader's mark: a source stored wider than 4 bits (GGUF Q5/Q6/Q8), whose
-                # own 8-bit levels the kernel takes as they are, not rounded again to 4 bits
-                q, scale, low, _ = child.levels()
-                setattr(module, name, Int8Linear.from_levels(q, scale, low, child.bias))
-                changed = True
             elif int4_fits(child, group):
                 setattr(module, name, Int4Linear(child, group))
                 changed = True
@@ -357,9 +335,7 @@ def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
     qweight = getattr(head, "weight", None)
     if not isinstance(qweight, QWeight) or len(rows) % 16 or head.bias is not None:
         return None
-    q, scale, low = qweight.row_levels(rows)
-    cls = Int4Linear if qweight.bits == 4 else Int8Linear
-    sub = cls.from_levels(q, scale, low)
+    sub = quantized_linear(qweight.take_rows(rows))
     sub.weight.x_bits = qweight.x_bits  # the same x, so the same logits
     sub.float_output = True
     return sub

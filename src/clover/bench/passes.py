@@ -121,7 +121,7 @@ def pass_costs(
 
 
 def head_ms(model: torch.nn.Module, rows: int, reps: int) -> float:
-    hidden = torch.randn(rows, model.config.hidden_size).to(model.model.embed_tokens.weight.dtype)
+    hidden = torch.randn(rows, model.config.hidden_size).to(model.embed_dtype)
     with torch.inference_mode():
         model.logits(hidden)
         times = []

@@ -1,14 +1,13 @@
-"""The conversion cache: GGUF files -> converted HF-format checkpoints under `cache_dir()`.
+"""What Clover derives from a GGUF file, kept in the user cache: one entry per file's bytes.
 
-An entry is keyed by what the GGUF file holds (sha256 of its bytes) plus the registry's config
-overrides, not by where the file lies: the same package installed into a fresh venv or clone
-must reuse the entry instead of writing another copy (SmolLM2-135M's entry is 0.5 GB of
-float32; keyed by path, every clean-clone test run added one). Each entry records the files it
-was made from, with their size and mtime, in `sources.json`, which serves two purposes:
-- the file is hashed once per (path, size, mtime), not at every start;
-- an entry none of whose recorded files still exists unchanged, or one written in an older
-  layout (`CONVERSION_VERSION`), can never be reached again, so `prune` removes it: before
-  every new conversion, and on `clover cache prune`.
+An entry, `<cache>/gguf/<stem>-<sha256[:16]>/`, holds the file's tokenizer (`tokenizer/`,
+converted once from its embedded vocabulary) and its packed weights (`*.pack`, `packed.py`).
+It is keyed by what the file holds, not by where it lies: the same package installed into a
+fresh venv or clone reuses it. Each entry records the files it was made from, with their size
+and mtime, in `sources.json`, which serves two purposes:
+- a file is hashed once per (path, size, mtime), not at every start;
+- an entry none of whose recorded files still exists unchanged can never be reached again, so
+  `prune` removes it (before every new entry is written, and on `clover cache prune`).
 """
 
 from __future__ import annotations
@@ -21,18 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from clover.checkpoints.registry import cache_dir
-from clover.files import atomic_write_text
+from clover.files import atomic_write_text, cache_dir
 
 SOURCES = "sources.json"
-# bump when the converted layout changes, to invalidate old caches (2: the GGUF's 4-bit
-# levels, gguf_quant.safetensors, beside the weights)
-CONVERSION_VERSION = 2
-TEMP_GRACE_S = 3600.0  # a half-written conversion younger than this may still be in progress
+TEMP_GRACE_S = 3600.0  # a half-written entry younger than this may still be in progress
+LEGACY = "converted"  # float32 conversions of earlier versions: removed once, saying so
 
 
-def converted_root() -> Path:
-    return cache_dir() / "converted"
+def root() -> Path:
+    return cache_dir() / "gguf"
 
 
 def _stamp(path: Path) -> list[int]:
@@ -59,8 +55,8 @@ def read_sources(entry: Path) -> dict:
 
 
 def _entries() -> list[Path]:
-    root = converted_root()
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    base = root()
+    return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
 
 
 def file_sha256(path: Path, progress: bool = False) -> str:
@@ -79,32 +75,26 @@ def file_sha256(path: Path, progress: bool = False) -> str:
     return h.hexdigest()
 
 
-def converted_dir(path: Path, sha256: str, overrides: dict) -> Path:
-    """Where the conversion of a GGUF file with these bytes and config overrides lives."""
-    key = json.dumps([sha256, overrides, CONVERSION_VERSION], sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return converted_root() / f"{path.stem}-{digest}"
-
-
-def write_sources(directory: Path, path: Path, sha256: str, previous: dict | None = None) -> None:
-    """Record `path` (as it is now) among the sources of the entry in `directory`, atomically;
-    recorded files that are gone or changed are dropped (deleted venvs and clones)."""
-    old = previous["files"] if previous else {}
-    files = {name: stamp for name, stamp in old.items() if _unchanged(name, stamp)}
-    files[str(path.resolve())] = _stamp(path)
-    record = {"sha256": sha256, "files": files, "version": CONVERSION_VERSION}
-    atomic_write_text(directory / SOURCES, json.dumps(record, indent=1))
+def entry_dir(path: Path, sha256: str) -> Path:
+    """The entry of a GGUF file with these bytes (it may not exist yet)."""
+    return root() / f"{path.stem}-{sha256[:16]}"
 
 
 def note_use(entry: Path, path: Path, sha256: str) -> None:
-    """A cache hit from `path`: add it to the entry's sources if it is not there unchanged.
-    Best effort: a read-only cache still serves the entry."""
+    """Record `path` (as it is now) among the entry's sources, if it is not there unchanged;
+    recorded files that are gone or changed are dropped. Best effort: a read-only cache still
+    serves the entry."""
     data = read_sources(entry)
-    if data.get("files", {}).get(str(path.resolve())) != _stamp(path):
-        try:
-            write_sources(entry, path, sha256, data or None)
-        except OSError:
-            pass
+    if data.get("files", {}).get(str(path.resolve())) == _stamp(path):
+        return
+    files = {n: s for n, s in data.get("files", {}).items() if _unchanged(n, s)}
+    files[str(path.resolve())] = _stamp(path)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        record = {"sha256": sha256, "files": files}
+        atomic_write_text(entry / SOURCES, json.dumps(record, indent=1), durable=False)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -112,7 +102,7 @@ class CacheEntry:
     path: Path
     bytes: int
     files: list[str]  # the GGUF files it was made from (recorded)
-    live: bool  # one of them still exists unchanged (or a conversion is writing it now)
+    live: bool  # one of them still exists unchanged (or an entry is being written now)
 
 
 def _size(path: Path) -> int:
@@ -120,15 +110,13 @@ def _size(path: Path) -> int:
 
 
 def _is_live(entry: Path, data: dict) -> bool:
-    if entry.name.startswith("."):  # a conversion being written, or one that died midway
+    if not data:  # being written (sources come last), or left by a process that died
         return time.time() - entry.stat().st_mtime < TEMP_GRACE_S
-    if data.get("version", 1) != CONVERSION_VERSION:
-        return False  # an older layout: no load will look for it again
     return any(_unchanged(name, stamp) for name, stamp in data.get("files", {}).items())
 
 
 def entries() -> list[CacheEntry]:
-    """Every converted checkpoint in the cache, with its size and whether it is still reachable."""
+    """Every entry in the cache, with its size and whether a GGUF file still leads to it."""
     out = []
     for entry in _entries():
         data = read_sources(entry)
@@ -138,8 +126,7 @@ def entries() -> list[CacheEntry]:
 
 
 def prune() -> list[CacheEntry]:
-    """Remove the entries no recorded file can reach any more (and conversions that died
-    midway); returns what was removed."""
+    """Remove the entries no recorded file can reach any more; returns what was removed."""
     removed = [e for e in entries() if not e.live]
     for e in removed:
         shutil.rmtree(e.path, ignore_errors=True)
@@ -148,4 +135,18 @@ def prune() -> list[CacheEntry]:
 
 def removed_summary(removed: list[CacheEntry]) -> str:
     freed = sum(e.bytes for e in removed) / 1e9
-    return f"removed {len(removed)} stale converted checkpoint(s), {freed:.2f} GB"
+    return f"removed {len(removed)} stale cache entries, {freed:.2f} GB"
+
+
+def remove_legacy(progress: bool = True) -> None:
+    """Delete the float32 conversions earlier versions wrote (`<cache>/converted`, about 5x
+    each GGUF), once, saying so."""
+    old = cache_dir() / LEGACY
+    if not old.is_dir():
+        return
+    size = _size(old)
+    shutil.rmtree(old, ignore_errors=True)
+    if progress:
+        print(f"clover: removed {old} ({size / 1e9:.2f} GB of float32 conversions earlier "
+              "versions made; weights are now packed from the GGUF itself)",
+              file=sys.stderr)  # fmt: skip

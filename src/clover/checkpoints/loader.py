@@ -3,46 +3,37 @@
 The steps, in order, each decided here once:
 1. resolve: a registry name (pulled if missing), a `.gguf` file, an HF directory, or a
    shape preset (random weights, the base model's tokenizer);
-2. an HF-format directory: given, or a GGUF converted once into the user cache
-   (`prepare_checkpoint`; `cache` keys it by the file's bytes);
-3. precision and device: `auto` is int4 for a 4-bit GGUF source, else bfloat16 where the CPU
-   has bf16 instructions, else float32; off the CPU, bfloat16 (int4/int8 are CPU kernels).
-   int4 from a GGUF keeps the file's own levels: 4-bit types on the int4 kernel, wider ones on
-   the int8 kernel in groups (`mark_source_levels`; scales travel in the converted checkpoint);
-4. the weights are read in that dtype and adopted by the architecture (`hf_dir.model_from_state`,
-   the family's `sanitize` maps names); the registry's decoding defaults and draft adapter are
-   applied; weight-only quantization last; then the move to the device.
+2. precision and device: `auto` is int4 for a 4-bit GGUF source, else bfloat16 where the CPU
+   has bf16 instructions, else float32; off the CPU, bfloat16 (int4/int8 are CPU kernels);
+3. the weights: a GGUF at int4 with Clover's kernels maps its packed levels (`packed`: packed
+   once per file, the embedding read from the GGUF itself); anything else is read as floats
+   (a GGUF dequantized, an HF directory's safetensors), adopted by the architecture
+   (`hf_dir.model_from_state`) and quantized last where int4/int8 was asked for;
+4. the registry's decoding defaults, draft adapter and drafter; then the move to the device.
+A GGUF's tokenizer is converted once into its cache entry (`cache`, `gguf_tokenizer`).
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 import sys
-import tempfile
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from clover import kernels
 from clover.checkpoints import cache
-from clover.checkpoints.gguf import QUANT_FILE, GGUFQuant, read_gguf
+from clover.checkpoints.gguf import GGUFFile, read_gguf
 from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
-from clover.checkpoints.hf_dir import (
-    model_from_state,
-    read_config,
-    read_hf_dir,
-    read_tensor,
-    safetensors_files,
-    save_checkpoint,
-)
+from clover.checkpoints.hf_dir import CONFIG, model_from_state, read_config, read_hf_dir
+from clover.checkpoints.packed import PACK_VERSION, PackError, PackFile, load_packed, pack_gguf
 from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
 from clover.decoding.policies import check_model_defaults
 from clover.errors import CloverError
-from clover.models import build_model, make_config
+from clover.files import atomic_write_text
+from clover.models import make_config
 from clover.models.base import DiffusionLM
-from clover.quant import int4_fits
 from clover.tokenizer import Tokenizer
 
 DTYPES = {
@@ -64,17 +55,16 @@ class Loaded:
     name: str
     dtype: str  # the precision chosen (never "auto")
     device: torch.device
-    directory: Path | None  # the HF-format directory read (None for a preset)
+    directory: Path | None  # the tokenizer's folder: an HF directory, a GGUF's cache entry's
     resolved: ResolvedModel | None  # None for a preset
     adapter: str | None  # the draft adapter file attached, if any
     drafter: str | None = None  # the drafter file attached (`model.drafter`), if any
 
 
-def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
-    """An HF-format directory for the model, converting a GGUF file on first use (`cache`:
-    keyed by the file's bytes; stale conversions are pruned before a new one is written)."""
-    if resolved.kind == "hf":
-        return resolved.path
+def gguf_entry(resolved: ResolvedModel, progress: bool = True) -> Path:
+    """The cache entry of a GGUF file (`cache`): its sha256 checked against the registry's
+    pin, its tokenizer converted on first use."""
+    cache.remove_legacy(progress)
     sha = cache.file_sha256(resolved.path, progress)
     pinned = resolved.entry.sha256 if resolved.entry else None
     if pinned is not None and sha != pinned:  # a split model's assembled file, changed since
@@ -82,35 +72,72 @@ def prepare_checkpoint(resolved: ResolvedModel, progress: bool = True) -> Path:
             f"{resolved.path} has sha256 {sha}, not the pinned {pinned}; delete it and run "
             f"`clover pull {resolved.entry.name}` to assemble it again"
         )
-    overrides = resolved.entry.overrides if resolved.entry else {}
-    target = cache.converted_dir(resolved.path, sha, overrides)
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        cache.note_use(target, resolved.path, sha)
-        return target
-    removed = cache.prune()  # before writing: a full disk may be full of stale copies
-    if progress and removed:
-        print(cache.removed_summary(removed), file=sys.stderr)
-    config, state, quant = read_gguf(resolved.path, progress=progress)
-    config.update(overrides)
-    model = model_from_state(config, state, resolved.path.name, torch.float32)
-    extras = None
+    entry = cache.entry_dir(resolved.path, sha)
+    tokenizer, config = entry / "tokenizer", entry / CONFIG
+    if not (tokenizer / "tokenizer.json").is_file() or not config.is_file():
+        removed = cache.prune()  # before writing: a full disk may be full of stale entries
+        if progress and removed:
+            print(cache.removed_summary(removed), file=sys.stderr)
+        try:
+            text = json.dumps(GGUFFile(resolved.path).config(), indent=1)
+            convert_gguf_tokenizer(resolved.path, tokenizer)
+            atomic_write_text(config, text)
+        except OSError as e:
+            why = e.strerror or e
+            raise CloverError(f"cannot write to the cache at {entry.parent}: {why}; free space "
+                              "there or set $CLOVER_CACHE") from None  # fmt: skip
+    cache.note_use(entry, resolved.path, sha)
+    return entry
+
+
+def gguf_config(entry: Path, resolved: ResolvedModel) -> dict:
+    """The GGUF's config dict as its entry keeps it (`gguf_entry`), overrides applied."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        extras = Path(tempfile.mkdtemp(prefix=f".{target.name}.extras.", dir=target.parent))
-        convert_gguf_tokenizer(resolved.path, extras)
-        quant.save(extras / QUANT_FILE)  # the file's own 4-bit levels, for the int4 kernel
-        cache.write_sources(extras, resolved.path, sha)  # lands with the weights, atomically
-        save_checkpoint(model, target, extra_files=sorted(extras.iterdir()))
+        config = json.loads((entry / CONFIG).read_text())
+    except (OSError, ValueError):  # damaged: read the header again
+        config = GGUFFile(resolved.path).config()
+    return {**config, **_overrides(resolved)}
+
+
+def tokenizer_dir(resolved: ResolvedModel, progress: bool = True) -> Path:
+    """The folder holding the model's tokenizer.json: an HF directory itself, or the GGUF's
+    converted tokenizer in its cache entry."""
+    if resolved.kind == "hf":
+        return resolved.path
+    return gguf_entry(resolved, progress) / "tokenizer"
+
+
+def model_config(resolved: ResolvedModel) -> dict:
+    """The model's config dict from the header alone (no weights read), registry overrides
+    applied."""
+    if resolved.kind == "hf":
+        return read_config(resolved.path)
+    return {**GGUFFile(resolved.path).config(), **_overrides(resolved)}
+
+
+def packed_weights(
+    resolved: ResolvedModel, entry: Path, wide: str = "int8", progress: bool = True
+) -> PackFile:
+    """The GGUF's packed weights in its cache entry, packed now where there are none (or the
+    ones there cannot be used: another format version, a damaged file, said in one line)."""
+    path = entry / f"weights-{wide}-v{PACK_VERSION}.pack"
+    if path.is_file():
+        try:
+            return PackFile(path)
+        except PackError as e:
+            print(f"clover: {e}; packing it again", file=sys.stderr)
+    for old in entry.glob("weights-*.pack"):  # other versions: never read again
+        if old.name != path.name:
+            old.unlink(missing_ok=True)
+    gf = GGUFFile(resolved.path)
+    try:
+        pack_gguf(gf, path, wide, progress)
     except OSError as e:
-        need = sum(p.numel() for p in model.parameters()) * 4 / 1e9
-        raise CloverError(
-            f"cannot write the converted checkpoint ({need:.1f} GB, float32) to {target.parent}: "
-            f"{e.strerror or e}; free space there or point $CLOVER_CACHE elsewhere"
-        ) from None
+        raise CloverError(f"cannot write {path}: {e.strerror or e}; free space there or set "
+                          "$CLOVER_CACHE") from None  # fmt: skip
     finally:
-        if extras is not None:
-            shutil.rmtree(extras, ignore_errors=True)
-    return target
+        gf.close()
+    return PackFile(path)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,61 +191,6 @@ def auto_dtype(config: dict) -> str:
     return "bfloat16"
 
 
-def int4_later(
-    directory: Path, config: dict, wide: str = "int8"
-) -> tuple[GGUFQuant | None, set[str]]:
-    """For an int4 load of a converted GGUF: its record, and the weights the kernels will
-    take from the file's own levels (`mark_source_levels`): read then, one at a time in
-    float32, never as a bfloat16 copy. 4-bit types where the int4 kernel fits; wider ones
-    (8-bit levels in groups of 16 or 32) where Clover's kernels run, unless `wide` is int4."""
-    if wide not in ("int8", "int4"):
-        raise CloverError(f"wide {wide!r}: int8 or int4")
-    quant = GGUFQuant.read(directory)
-    if quant is None:
-        return None, set()
-    from clover import kernels
-
-    grouped_int8 = wide == "int8" and kernels.load() is not None
-    with torch.device("meta"):
-        probe = build_model(make_config(config))
-    later = set()
-    for module_name, module in probe.named_modules():
-        name = f"{module_name}.weight"
-        if not isinstance(module, nn.Linear) or module_name == "lm_head" or name not in quant.scale:
-            continue
-        if quant.bits(name) == 4 or wide == "int4":
-            fits = int4_fits(module)
-        else:
-            group = module.in_features // quant.scale[name].shape[1]
-            fits = grouped_int8 and group in (16, 32) and module.out_features % 16 == 0
-        if fits:
-            later.add(name)
-    return quant, later
-
-
-def mark_source_levels(
-    net: DiffusionLM, quant: GGUFQuant, directory: Path, later: set[str], wide: str = "int8"
-) -> int:
-    """Give each linear in `later` (its weight on the meta device) `levels()`, which reads the
-    weight and recovers the file's own levels, and `level_bits`: 4 for a 4-bit type (the int4
-    kernel), 8 for a wider one (Q5_0, Q5_K, Q6_K, Q8_0: the int8 kernel in groups, no second
-    rounding) unless `wide` is int4 (rounded to 4 bits: smaller and faster, not exact).
-    -> how many linears were marked."""
-    files = safetensors_files(directory)
-    marked = 0
-    for module_name, module in net.named_modules():
-        name = f"{module_name}.weight"
-        if isinstance(module, nn.Linear) and name in later:
-            module.levels = partial(_levels_from_file, quant, files, name)
-            module.level_bits = 4 if wide == "int4" else quant.bits(name)
-            marked += 1
-    return marked
-
-
-def _levels_from_file(quant: GGUFQuant, files: list[Path], name: str) -> tuple:
-    return quant.levels(name, read_tensor(files, name))
-
-
 def mask_from_tokenizer(config: object, tokenizer: Tokenizer) -> None:
     """A family that names its [MASK] token only in the tokenizer (`config.mask_token`, e.g.
     SDAR's `<|MASK|>`, Fast-dLLM v2's `|<MASK>|`) gets its id from there; a model with no
@@ -244,8 +216,7 @@ def _preset_model(name: str, progress: bool) -> tuple[DiffusionLM, Tokenizer]:
             f"{name} is a shape preset of {config.num_params / 1e9:.1f}B parameters with no "
             "weights; `clover info` describes it, generation needs a checkpoint"
         )
-    base = prepare_checkpoint(resolve(BASE_MODEL, progress=progress), progress)
-    tokenizer = Tokenizer.from_dir(base)
+    tokenizer = Tokenizer.from_dir(tokenizer_dir(resolve(BASE_MODEL, progress=progress), progress))
     if tokenizer.vocab_size > config.vocab_size:
         raise CloverError(f"{name}: vocabulary smaller than the tokenizer's")
     torch.manual_seed(0)
@@ -267,12 +238,15 @@ def load(
     loads its own unless another is given; "none": no drafter, and a default that drafted from
     it drafts from the rest of its sources, lookup at least). device: cpu, cuda, cuda:N or
     auto (`resolve_device`): weights load on the CPU, then move. wide (int4 from a GGUF): the
-    kernel of tensors stored wider than 4 bits (`mark_source_levels`)."""
+    tensors stored wider than 4 bits keep their 8-bit levels ("int8") or are rounded to 4
+    bits ("int4": smaller, not exact)."""
     if dtype not in DTYPES and dtype != "auto":
         raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
+    if wide not in ("int8", "int4"):
+        raise CloverError(f"wide {wide!r}: int8 or int4")
     dev = resolve_device(device)
     dtype = device_dtype(dev, dtype)
-    resolved, directory = None, None
+    resolved, directory, packed = None, None, False
     if model in PRESETS:
         net, tokenizer = _preset_model(model, progress)
         dtype = "float32" if dtype == "auto" else dtype
@@ -280,16 +254,25 @@ def load(
         name = model
     else:
         resolved = resolve(model, progress=progress)
-        directory = prepare_checkpoint(resolved, progress)
-        config = read_config(directory)
+        if resolved.kind == "gguf":
+            entry = gguf_entry(resolved, progress)
+            directory, config = entry / "tokenizer", gguf_config(entry, resolved)
+        else:
+            directory, config = resolved.path, read_config(resolved.path)
         make_config(config)  # an unknown or refused family says so before any weight is read
         if dtype == "auto":
             dtype = auto_dtype(config)
-        quant, later = int4_later(directory, config, wide) if dtype == "int4" else (None, set())
-        config, state = read_hf_dir(directory, DTYPES[dtype], later)
-        net = model_from_state(config, state, str(directory), DTYPES[dtype])
-        if quant is not None:
-            mark_source_levels(net, quant, directory, later, wide)
+        packed = resolved.kind == "gguf" and dtype == "int4" and kernels.load() is not None
+        if packed:
+            pack = packed_weights(resolved, entry, wide, progress)
+            net = load_packed(pack, resolved.path, {**pack.meta["config"], **_overrides(resolved)})
+        else:
+            if resolved.kind == "gguf":
+                config, state = read_gguf(resolved.path, progress=progress)
+                config.update(_overrides(resolved))
+            else:
+                config, state = read_hf_dir(directory, DTYPES[dtype])
+            net = model_from_state(config, state, str(resolved.path), DTYPES[dtype])
         tokenizer = Tokenizer.from_dir(directory)
         name = resolved.name
         entry = resolved.entry
@@ -309,15 +292,13 @@ def load(
         if not Path(adapter).is_file():
             raise CloverError(f"adapter file {adapter} not found")
         load_adapter(net, Path(adapter))
-        net.to(DTYPES[dtype])
+        if not packed:
+            net.to(DTYPES[dtype])
         adapter = str(adapter)
-    if dtype in ("int4", "int8"):
+    if dtype in ("int4", "int8") and not packed:
         from clover.quant import quantize_model
 
         quantize_model(net, dtype)
-        left = [n for n, p in net.named_parameters() if p.is_meta]
-        if left:  # a weight left for its levels that the quantizer did not take
-            raise CloverError(f"{name}: {left[0]} was not quantized from its GGUF levels")
     if adapter is not None:
         from clover.models.adapter import keep_float32
 
@@ -334,7 +315,7 @@ def load(
             from clover.quant import quantize_linears, release_freed_memory
 
             quantize_linears(d)
-            release_freed_memory()  # its file's and float32 copies (~200 MB held otherwise)
+            release_freed_memory()  # its file's and float32 copies
         object.__setattr__(net, "drafter", d)
         drafter = str(drafter)
     if resolved is not None and resolved.entry is not None and resolved.entry.dots_x != 15:
@@ -344,6 +325,10 @@ def load(
     if getattr(net, "drafter", None) is not None and net.drafter.vocab is not None:
         from clover.decoding.drafting import DrafterRunner
 
-        # its LM-head rows now (their x bits set above), not in the first answer (0.3 s, coder)
+        # its LM-head rows now (their x bits set above), not in the first answer
         DrafterRunner.vocab_head(net, net.drafter)
     return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter)
+
+
+def _overrides(resolved: ResolvedModel) -> dict:
+    return dict(resolved.entry.overrides) if resolved.entry else {}

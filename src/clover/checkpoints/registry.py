@@ -24,6 +24,7 @@ from typing import Literal
 from clover.checkpoints import parts as split
 from clover.checkpoints.parts import Part
 from clover.errors import CloverError
+from clover.files import cache_dir
 
 __all__ = [
     "BASE_MODEL",
@@ -40,22 +41,6 @@ __all__ = [
 # more often than SmolLM2-135M's; clover-smol-135m stays the block-diffusion demo model
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 BASE_MODEL = "smollm2-135m"  # the plain AR base: tokenizer of the presets, quality reference
-
-
-def cache_dir() -> Path:
-    """Where Clover keeps derived files: $CLOVER_CACHE, else $XDG_CACHE_HOME/clover, else
-    ~/.cache/clover. Created on first use."""
-    if os.environ.get("CLOVER_CACHE"):
-        path = Path(os.environ["CLOVER_CACHE"]).expanduser()
-    elif os.environ.get("XDG_CACHE_HOME"):
-        path = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "clover"
-    else:
-        path = Path.home() / ".cache" / "clover"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CloverError(f"cannot create the cache directory {path}: {exc}") from None
-    return path
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def costs_key(model: torch.nn.Module, label: str) -> str:
 
 
 def costs_path(key: str) -> Path:
-    from clover.checkpoints.registry import cache_dir
+    from clover.files import cache_dir
 
     return cache_dir() / "costs" / f"{key}.json"
 
@@ -216,5 +216,11 @@ def model_costs(model: torch.nn.Module, drafter: bool = False) -> PassCosts:
     """The table the decode loop reads for `model` (with its attached drafter's passes when
     `drafter`); `clover bench` calls it before timing anything, so that a first measurement
     does not land in a setting's seconds."""
-    label = str(getattr(model, "quantized_head", None) is not None)
+    head = getattr(model, "quantized_head", None)
+    w = getattr(head, "weight", None)  # its format decides its cost
+    label = (
+        "float"
+        if head is None
+        else f"{type(head).__name__}:{getattr(w, 'bits', '')}:{getattr(w, 'group', '')}"
+    )
     return cached_costs(model, label, model.drafter if drafter else None)

@@ -129,7 +129,7 @@ class DrafterRunner:
         if model not in made:
             from clover.quant import head_rows, release_freed_memory
 
-            vocab = drafter.vocab.to(model.model.embed_tokens.weight.device)
+            vocab = drafter.vocab.to(model.device)
             made[model] = (head_rows(model, vocab), vocab)
             release_freed_memory()  # the rows' levels, unpacked on the way
         return made[model]
@@ -188,7 +188,7 @@ class DrafterRunner:
         logits (default: the arg-max; a sampling row draws it, so the next position's
         distribution is conditioned on the draft it will be verified with). A block drafter
         ignores `pick`: its positions do not read each other."""
-        embed = self.model.model.embed_tokens
+        embed = self.model.embed_rows
         with torch.inference_mode():
             if not self.drafter.config.chain:
                 h = self.drafter.block_hidden(first, embed, self.cache, width)
@@ -196,7 +196,7 @@ class DrafterRunner:
             # each position's logits are written in place (a cat of the steps copied ~9 MB a
             # row at width 16 on a 152K vocabulary: ~2 ms of a ~20 ms chain here)
             shape = (len(first), width - 1, self.drafter.config.vocab_size)
-            out = torch.empty(shape, device=embed.weight.device)  # float32, as logits are
+            out = torch.empty(shape, device=self.model.device)  # float32, as logits are
             ids, offset = torch.stack([first, first], 1), 0  # positions 0 and 1 read `first`
             for i in range(width - 1):
                 h = self.drafter.chain_hidden(ids, offset, embed, self.cache)
@@ -225,7 +225,7 @@ class DrafterRunner:
         if not self.drafter.config.chain:
             raise ValueError("trees grow from a chain drafter (a block drafter: leaf_tree)")
         B, K = len(first), max(1, min(self.FRONTIER, max(nodes)))
-        embed, cache = self.model.model.embed_tokens, self.cache
+        embed, cache = self.model.embed_rows, self.cache
         # nodes per row: [token, parent node, depth, value, block slot once drafted after]
         trees: list[list[list]] = [[] for _ in range(B)]
 
@@ -307,7 +307,7 @@ class DrafterRunner:
         return out[::-1]
 
     def _tree_pass(self, trees: list, chosen: list[list[int]], offset: int, d: int,
-                   embed: torch.nn.Module) -> torch.Tensor:  # fmt: skip
+                   embed: Callable) -> torch.Tensor:  # fmt: skip
         """One drafter pass over each row's chosen depth-d drafts, written at block slots
         offset.., at the position after their parents', each seeing the context, block slots
         0 and 1 and its own ancestors' slots. -> hidden [B, k, D]."""
@@ -339,7 +339,7 @@ class DrafterRunner:
         zeros = torch.zeros(B, dtype=torch.long)
         layout = StepLayout(torch.full_like(zeros, k), zeros, lengths, positions, mask[:, None],
                             sees=sees)  # fmt: skip
-        h = embed(ids.to(embed.weight.device)).to(self.drafter.norm.weight.dtype)
+        h = embed(ids).to(self.drafter.norm.weight.dtype)
         return self.drafter._cached_pass(h, layout, cache)
 
     def _column(self, token: int | None) -> int | None:
@@ -352,7 +352,7 @@ class DrafterRunner:
     def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """final hidden [B, n, D] -> float logits [B, n, k] of the draft vocabulary's k ids
         (`self.vocab`; without its head rows, of every id)."""
-        h = h.to(self.model.model.embed_tokens.weight.dtype)
+        h = h.to(self.model.embed_dtype)
         return (self.model.logits(h) if self.head is None else self.head(h)).float()
 
     def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,41 +1,32 @@
 """Clover's CPU kernels: C++ built on first use with `torch.utils.cpp_extension`, then cached.
 
 Why our own: PyTorch's CPU weight-only int4/int8 matmuls re-read and re-dequantize the weights
-for every 4 rows of activations, so a pass over 33 positions cost 14.6x a pass over one (the
-arithmetic of this class of CPU allows ~2x). `qgemm` reads each weight tile once per pass.
+for every 4 rows of activations; `qgemm` reads each weight tile once per pass, and `layer.cpp`
+runs a whole decoder layer per call. docs/kernels.md has the layouts and their measured costs.
 
-- Sources live beside this file; the build lands in `<clover cache>/kernels/<hash>/` (the hash
-  covers the sources, the torch version and the compiler), so an upgrade rebuilds and a second
-  venv with the same sources reuses the build.
+- Sources live beside this file; the build lands in `<clover cache>/kernels/<key>/` (the key
+  covers the sources, the torch install and the compiler), so an upgrade rebuilds and a second
+  venv with the same sources reuses the build. PyTorch chooses the C++ standard its headers
+  need. A build that fails is remembered under the same key (`failed.json`), so later starts
+  do not try it again; `status()` says why the kernels are off and what that costs.
 - One instruction-set choice, here: AVX-512 BF16, else AVX2 + FMA, else portable C++
   (`$CLOVER_KERNEL_ISA` = avx512 / avx2 / portable forces one, for tests and comparisons).
-- Short passes (an AR step, a verify pass: 1 to 4 rows with VNNI, 1 to 16 on AVX2 or with
-  x on 8 bits, below) round x to 15 bits per group, as two int8 planes, and take exact
-  integer dots (AVX-512 VNNI, else AVX2 `vpmaddubsw`, the same results to the bit): ~1.6x
-  faster on one row (2-3x on AVX2), and a row's result no longer depends on the pass width.
-  `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there.
-- x on 8 bits (one int8 plane, as llama.cpp's Q8 activations) for 4- and 5-bit weights: half
-  the multiplies a row, so a verify pass of several rows costs less where multiplies bind
-  (2-core Zen 3, qwen2.5-coder-0.5b: verify 4 at ~1.6x an AR step, not ~2.2x). It costs
-  precision where activations have outliers (SmolLM2's next-token KL to float32 went from
-  0.0009 to 0.0115; the coder's from 0.00021 to 0.00054, with the same suite accuracy), so a
-  model chooses it (`ModelEntry.dots_x`, carried by its weights and fused layers); 8-bit
-  weights keep 15 bits. `$CLOVER_DOTS_X=8` or `15` overrides every model. With VNNI such a
-  model's passes of up to 16 rows take the dots (one plane: half the `vpdpbusd` of two;
-  2-core Zen 4, the coder: verify 4 / 8 / 16 at ~1.1 / 1.8 / 3.2 AR steps, were 1.4 / 2.7 /
-  3.8 with 5 to 16 rows on the bfloat16 path); AVX2 sums the same integers in the same
-  epilogue, so either CPU class gives the same tokens.
-- Passes of more than 384 rows (a long prefill, a drafter's features) sweep the weights once
-  per 192 rows, so x stays in cache while the weight tiles pass (`$CLOVER_QGEMM_ROWS` sets the
-  rows, 0 takes all at once; the results are the same to the bit).
-- Without a C++ compiler, or with `$CLOVER_KERNELS=0`, `load()` returns None and callers keep
-  PyTorch's own kernels; a one-line notice says so once.
+- Short passes (an AR step, a verify pass) round x per group and take exact integer dots
+  (AVX-512 VNNI, else AVX2 `vpmaddubsw`, the same results to the bit), so a row's result does
+  not depend on the pass width. `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there. x takes 15 bits
+  (two int8 planes) or, where a model chose it (`ModelEntry.dots_x`), 8 bits for 4- and 5-bit
+  weights: fewer multiplies, a little less precision; `$CLOVER_DOTS_X=8` or `15` overrides it.
+- Passes of more than 384 rows sweep the weights once per 192 rows, so x stays in cache
+  (`$CLOVER_QGEMM_ROWS` sets the rows, 0 takes all at once; the results are the same).
+- Without a C++ compiler, after a failed build, or with `$CLOVER_KERNELS=0`, `load()` returns
+  None and callers keep PyTorch's own kernels; a one-line notice says so once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -44,6 +35,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from clover.files import cache_dir
 
 SOURCES = (
     "ops.cpp",
@@ -58,10 +51,13 @@ SOURCES = (
 HEADERS = ("qgemm.h", "ops.h", "attention.h", "simd512.h")
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 # -fopenmp: `at::parallel_for` is inline OpenMP in PyTorch's headers, so without it every
-# kernel ran on one thread (the first builds did: 2 threads gave the speed of 1). The
-# extension then needs libgomp.so.1, the runtime PyTorch has already loaded.
-CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+# kernel runs on one thread. The extension then needs libgomp.so.1, which PyTorch has loaded.
+# No -std: PyTorch's build adds the standard its own headers need.
+CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+SLOWER = "about 2.5x slower"  # PyTorch's kernels against these, an AR step of the default model
+COMPILER_HINT = "install one (Debian/Ubuntu: apt install g++; macOS: xcode-select --install)"
+FAILED = "failed.json"
 
 _state: dict = {}
 
@@ -78,8 +74,6 @@ def _notice(msg: str) -> None:
 
 
 def build_dir(key: str) -> Path:
-    from clover.checkpoints.registry import cache_dir
-
     return cache_dir() / "kernels" / key
 
 
@@ -118,20 +112,35 @@ def _build_lock(target: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def load() -> ModuleType | None:
-    """The compiled kernels, built once per source/torch/compiler; None when unavailable."""
+def _off(why: str) -> None:
+    _state["why"] = why
+    _notice(f"CPU kernels off: {why}; using PyTorch's, {SLOWER}")
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled kernels, built once per source/torch/compiler; None when unavailable.
+    verbose: show the compiler's output (`clover kernels --rebuild`)."""
     if "module" in _state:
         return _state["module"]
     _state["module"] = None
     if os.environ.get("CLOVER_KERNELS", "1") == "0":
+        _state["why"] = "$CLOVER_KERNELS=0"
         return None
     compiler = _compiler()
     if compiler is None:
-        _notice("no C++ compiler found (g++ or clang++; $CXX): using PyTorch's slower kernels")
+        _off(f"no C++ compiler found (g++, clang++ or $CXX): {COMPILER_HINT}")
         return None
     here = Path(__file__).parent
     key = _key(here, compiler)
     target = build_dir(key)
+    failed = target / FAILED
+    if failed.is_file():
+        try:
+            why = json.loads(failed.read_text())["error"]
+        except (OSError, ValueError, KeyError, TypeError):
+            why = "an earlier build failed"
+        _off(f"the build failed before ({why}); `clover kernels --rebuild` tries again")
+        return None
     fresh = not any(target.glob("*.so"))
     if fresh:
         _notice("building the CPU kernels (once; about a minute)...")
@@ -146,14 +155,46 @@ def load() -> ModuleType | None:
                 extra_cflags=CFLAGS,
                 extra_ldflags=LDFLAGS,
                 build_directory=str(target),
-                verbose=False,
+                verbose=verbose,
             )
     except Exception as e:  # a failed build must not stop the model: PyTorch's kernels remain
-        first = str(e).strip().splitlines()[:1] or [type(e).__name__]
-        _notice(f"could not build the CPU kernels ({first[0][:160]}): using PyTorch's")
+        why = _first_error(str(e)) or type(e).__name__
+        with contextlib.suppress(OSError):
+            failed.write_text(json.dumps({"error": why, "torch": torch.__version__,
+                                          "compiler": compiler}))  # fmt: skip
+        _off(f"the build failed ({why}); see `clover kernels --rebuild` for the whole log")
         return None
     _state["module"] = module
     return module
+
+
+def _first_error(log: str) -> str:
+    """The compiler's first error line of a build log, shortened, else its first line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower() and ("error:" in ln or "Error" in ln):
+            return ln[:200]
+    return lines[0][:200] if lines else ""
+
+
+def status() -> dict:
+    """Whether the kernels run here and, where not, why and what it costs (for `-v`, `info`)."""
+    module = load()
+    if module is not None:
+        names = {v: k for k, v in ISAS.items()}
+        return {"on": True, "isa": names.get(module.best_isa(), str(module.best_isa()))}
+    return {"on": False, "why": _state.get("why", "unavailable"), "cost": SLOWER}
+
+
+def rebuild(verbose: bool = True) -> ModuleType | None:
+    """Forget a remembered failure and build again, the compiler's output shown."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler found: {COMPILER_HINT}")
+    target = build_dir(_key(Path(__file__).parent, compiler))
+    (target / FAILED).unlink(missing_ok=True)
+    _state.clear()
+    return load(verbose)
 
 
 INT8_DOTS = 8  # added to a path: short passes take integer dots (int8_dots_rows says how short)

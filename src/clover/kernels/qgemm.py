@@ -223,6 +223,58 @@ class QWeight:
         low = s[..., 1].contiguous() if self.has_low else None
         return sub.levels()[local], s[..., 0].contiguous(), low
 
+    def take_rows(self, rows: torch.Tensor) -> QWeight:
+        """The matrix of output rows `rows` (a multiple of 16 of them, any order), gathered
+        from the packed tiles as they are: the same levels, scales and compact scales, nothing
+        unpacked (a drafter's 16,384 rows of a 151,936-row head in milliseconds)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        R = len(rows)
+        if R % 16:
+            raise CloverError(f"take_rows: {R} rows, not a multiple of 16")
+        if self.bits == 5:  # high bits shared by a tile's rows: unpack those tiles
+            q, scale, low = self.row_levels(rows)
+            out = QWeight.from_levels(q, scale, low, bits=8)
+            out.x_bits = self.x_bits
+            return out
+        t, i = rows // 16, rows % 16
+        G = self.in_features // self.group
+        # a tile's bytes per row: int4 [G, 4 chunks, 16 rows, 4 bytes], int8 [G, P, 16, 2]
+        inner = (4, 16, 4) if self.bits == 4 else (self.group // 2, 16, 2)
+        q = self.q.view(-1, G, *inner)[t, :, :, i]  # [R, G, a, b]
+        q = q.reshape(R // 16, 16, G, *inner[::2]).permute(0, 2, 3, 1, 4)  # [R/16, G, a, 16, b]
+        packed = q.contiguous().view(R // 16, G, -1)
+
+        def per_row(x: torch.Tensor | None) -> torch.Tensor | None:  # [NT, n, s, 16]
+            if x is None:
+                return None
+            x = x[t, :, :, i]  # [R, n, s]
+            return x.reshape(R // 16, 16, *x.shape[1:]).permute(0, 2, 3, 1).contiguous()
+
+        return replace(self, out_features=R, q=packed, scales=per_row(self.scales),
+                       mults=per_row(self.mults), bases=per_row(self.bases))  # fmt: skip
+
+    def stored(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(attributes, tensors) to keep this matrix in a file (`from_stored` reads it back):
+        k-quant scales only in their compact form, their float32 form being made at load."""
+        attrs = {"bits": self.bits, "group": self.group, "out": self.out_features,
+                 "in": self.in_features, "low": self.has_low}  # fmt: skip
+        tensors = {"q": self.q}
+        if self.mults is not None:
+            tensors.update(mults=self.mults, bases=self.bases)
+        else:
+            tensors["scales"] = self.scales
+        return attrs, tensors
+
+    @classmethod
+    def from_stored(cls, attrs: dict, tensors: dict[str, torch.Tensor]) -> QWeight:
+        scales = tensors.get("scales")
+        mults, bases = tensors.get("mults"), tensors.get("bases")
+        if scales is None:  # float32(mult) * base is each scale exactly (`compact_parts`)
+            per = mults.shape[1] // bases.shape[1]
+            scales = mults.float() * bases.repeat_interleave(per, dim=1)
+        return cls(attrs["bits"], attrs["group"], attrs["out"], attrs["in"], tensors["q"],
+                   scales, mults=mults, bases=bases)  # fmt: skip
+
     def dequantized(self) -> torch.Tensor:
         """float32 [N, K]: levels * scale + low (the reference for the kernel)."""
         N, G = self.out_features, self.in_features // self.group

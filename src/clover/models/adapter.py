@@ -148,7 +148,9 @@ class DraftAdapter(nn.Module):
         embed = model.model.embed_tokens
         self.mask_vector = None
         if config.mask_embedding:
-            self.mask_vector = nn.Parameter(embed.weight[mask_token_id].detach().float().clone())
+            with torch.no_grad():
+                row = model.embed_rows(torch.tensor([mask_token_id]))[0]
+            self.mask_vector = nn.Parameter(row.detach().float().clone())
         self._hook = embed.register_forward_hook(self._embed_hook)
 
     def _embed_hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:

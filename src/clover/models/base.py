@@ -79,6 +79,23 @@ class DiffusionLM(nn.Module):
         """Fused C++ layers (clover.kernels) this pass runs through, or None: the modules."""
         return None
 
+    @property
+    def embed_dtype(self) -> torch.dtype:
+        """The dtype of the embedding's rows (a table read from a GGUF says its own)."""
+        embed = self.model.embed_tokens
+        return getattr(embed, "dtype", None) or embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's tensors are (its first parameter's device)."""
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding table: ids [...] -> [..., D], in `embed_dtype`."""
+        return self.model.embed_tokens(ids.to(self.device))
+
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight [V, D]: `lm_head`, or the embedding table when tied."""
         return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight

@@ -73,10 +73,10 @@ def kv_dtype(model: torch.nn.Module) -> torch.dtype:
     forced = getattr(model, "kv_cache_dtype", None)
     if forced is not None:
         return forced
-    weight = model.model.embed_tokens.weight
-    if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+    dtype = model.embed_dtype
+    if model.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
-    return weight.dtype
+    return dtype
 
 
 class KVCache(LayerCache):

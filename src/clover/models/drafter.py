@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -105,7 +106,9 @@ def fingerprint(model: nn.Module) -> str:
     c = model.config
     h = hashlib.sha256()
     h.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers]).encode())
-    rows = model.model.embed_tokens.weight.detach()[:256].to(torch.bfloat16).cpu()
+    with torch.no_grad():
+        ids = torch.arange(min(256, c.vocab_size))
+        rows = model.embed_rows(ids).detach().to(torch.bfloat16).cpu()
     h.update(rows.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -214,7 +217,7 @@ class Drafter(nn.Module):
         """features [B, T, k * D] (the target's, float32) -> context vectors [B, T, D]."""
         return self.fc_norm(self.fc(features.to(self.norm.weight.dtype)))
 
-    def block_inputs(self, first: torch.Tensor, embed: nn.Embedding, width: int,
+    def block_inputs(self, first: torch.Tensor, embed: Callable, width: int,
                      before: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """first [B] (the last verified tokens) -> [B, width, D]: its embedding, then the
         target's embedding of the [MASK] token (frozen, as in the speculators format); a chain
@@ -248,7 +251,7 @@ class Drafter(nn.Module):
             lc.write(*layer.self_attn.context_kv(c, rope), layout)
         cache.advance(counts)
 
-    def block_hidden(self, first: torch.Tensor, embed: nn.Embedding, cache: ModelCache,
+    def block_hidden(self, first: torch.Tensor, embed: Callable, cache: ModelCache,
                      width: int | None = None) -> torch.Tensor:  # fmt: skip
         """One draft pass: first [B] -> final hidden [B, width, D] (position i >= 1 predicts
         the token i places after `first`); nothing is committed."""
@@ -260,7 +263,7 @@ class Drafter(nn.Module):
         layout = cached_layout(zeros, torch.full_like(zeros, width), cache.lengths, width)
         return self._cached_pass(self.block_inputs(first, embed, width), layout, cache)
 
-    def chain_hidden(self, ids: torch.Tensor, offset: int, embed: nn.Embedding,
+    def chain_hidden(self, ids: torch.Tensor, offset: int, embed: Callable,
                      cache: ModelCache) -> torch.Tensor:  # fmt: skip
         """A chain drafter's pass over block positions offset .. offset + T - 1 holding ids
         [B, T] (position 0: the verified token; i >= 1: the token before the one it predicts)
@@ -335,7 +338,7 @@ class Drafter(nn.Module):
     # --- training: many blocks of a sequence at once ------------------------------------------
 
     def train_hidden(self, features: torch.Tensor, n_context: torch.Tensor, first: torch.Tensor,
-                     starts: torch.Tensor, embed: nn.Embedding, width: int | None = None,
+                     starts: torch.Tensor, embed: Callable, width: int | None = None,
                      before: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """features [N, L, k * D] of N sequences (n_context[n] of them real); blocks: starts
         [N, S] (block s begins at position starts[n, s] with token first[n, s]) -> hidden

@@ -37,7 +37,10 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2], with the rope_scaling types we support."""
-    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    # on the CPU even where a model is built on the meta device: a meta arange goes through
+    # PyTorch's reference decompositions, whose first import costs a large part of a start
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (steps / rotary_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv.float()

@@ -276,7 +276,7 @@ def build_fused_layers(model: LlamaModel) -> list | None:
     from clover.kernels.qgemm import fused_part as packed
 
     module = kernels.load()
-    if module is None or model.model.embed_tokens.weight.device.type != "cpu":
+    if module is None or model.device.type != "cpu":
         return None
     c = model.config
 

@@ -363,7 +363,7 @@ def teacher_forced(drafter: object, target: torch.nn.Module, head: torch.Tensor,
     if drafter.config.chain:
         at = starts[..., None] + torch.arange(drafter.config.block_size - 1)  # [N, S, B-1]
         before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(at.shape)
-    h = drafter.train_hidden(feats, n, first, starts, target.model.embed_tokens, B,
+    h = drafter.train_hidden(feats, n, first, starts, target.embed_rows, B,
                              before)  # [N,S,B,D]  # fmt: skip
     # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
     # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
