@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's tools (llama-bench, llama-cli, llama-server, llama-speculative-simple) once,
-# from the sources the llama-cpp-python sdist carries (vendor/llama.cpp), for the side-by-side
-# rows of `clover bench`. Prints the folder that holds the binaries; `clover bench` finds them
+# Builds llama.cpp's tools (llama-bench, llama-cli, llama-completion, llama-server,
+# llama-speculative-simple) once, from the sources the llama-cpp-python sdist carries
+# (vendor/llama.cpp), for the side-by-side rows of `clover bench`. Prints the folder that holds the binaries; `clover bench` finds them
 # there ($CLOVER_LLAMACPP_BIN overrides).
 #
 # Flags: a portable build (GGML_NATIVE=OFF) with AVX-512, VNNI and BF16 on and AMX off; a
@@ -12,8 +12,8 @@ VERSION="${1:-0.3.36}"
 CACHE="${CLOVER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/clover}"
 ROOT="$CACHE/llama.cpp/$VERSION"
 BIN="$ROOT/build/bin"
-TOOLS=(llama-bench llama-cli llama-server llama-speculative-simple)
-if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ]; then
+TOOLS=(llama-bench llama-cli llama-completion llama-server llama-speculative-simple)
+if [ -x "$BIN/llama-completion" ] && [ -x "$BIN/llama-server" ]; then
   echo "$BIN"
   exit 0
 fi

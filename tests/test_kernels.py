@@ -730,6 +730,35 @@ def test_without_a_compiler_the_pytorch_kernels_run(monkeypatch, capsys):
     assert float((got - ref).abs().max()) < 0.1 * float(ref.abs().max())
 
 
+def test_a_failed_build_is_remembered_and_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """A build that fails (e.g. headers that need another C++ standard) leaves a record under
+    its key: later starts do not build again and say why the kernels are off and what that
+    costs; `rebuild` forgets the record. PyTorch picks the C++ standard (no -std of ours)."""
+    from torch.utils import cpp_extension
+
+    assert not any(flag.startswith("-std") for flag in kernels.CFLAGS)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "build_dir", lambda key: tmp_path / key)
+    calls = []
+
+    def fails(**kw):
+        calls.append(kw["name"])
+        raise RuntimeError("Error building extension\nx.h:3: error: 'concept' needs C++20\n")
+
+    monkeypatch.setattr(cpp_extension, "load", fails)
+    assert kernels.load() is None
+    err = capsys.readouterr().err
+    assert "CPU kernels off: the build failed (x.h:3: error: 'concept' needs C++20)" in err
+    assert kernels.SLOWER in err and len(calls) == 1
+    [record] = tmp_path.glob("*/failed.json")
+    monkeypatch.setattr(kernels, "_state", {})  # a later start
+    assert kernels.load() is None and len(calls) == 1  # not built again
+    assert "the build failed before" in capsys.readouterr().err
+    status = kernels.status()
+    assert status["on"] is False and "C++20" in status["why"] and status["cost"] == kernels.SLOWER
+    assert kernels.rebuild(verbose=False) is None and len(calls) == 2  # tried again
+
+
 def test_forced_instruction_set(monkeypatch):
     monkeypatch.setenv("CLOVER_KERNEL_ISA", "portable")
     assert kernels.isa() == 0

@@ -301,3 +301,26 @@ def test_a_7b_shaped_gguf_loads_within_its_size_plus_a_fixed_overhead(tmp_path):
     print(f"GGUF {size_mb:.0f} MB, peaks {peaks} MB, over file + import: {overhead:.0f} MB")
     assert peaks[0] <= peaks[1] * 1.05  # the first start peaks no higher than later ones
     assert overhead < 0.35 * size_mb  # float32 k-quant scales made at load: ~0.25x
+
+
+@pytest.mark.slow
+def test_bench_load_reports_first_and_warm_starts(tmp_path, monkeypatch):
+    """`clover bench load`'s rows for a GGUF: a first-ever start in a cache of its own, warm
+    starts after it, the disk the cache keeps beyond the GGUF; llama.cpp's row says why it is
+    missing where its tools are not built."""
+    from clover.bench import load as bench_load
+
+    path = tmp_path / "m.gguf"
+    write_gguf(
+        path, {n: "Q4_K" for n in _G}, config={"max_position_embeddings": 512, "vocab_size": 320}
+    )  # the tokenizer's
+    monkeypatch.setenv("CLOVER_LLAMACPP_BIN", str(tmp_path / "nowhere"))
+    report = bench_load.run_load([str(path)], tokens=4, reps=1, log=lambda m: None)
+    row = report["models"][str(path)]
+    ours = row["clover"]
+    assert ours["load_s_first"] > 0 and ours["load_s_warm"] > 0
+    assert ours["rss_answer_mb"] >= ours["rss_load_mb"] > 0
+    assert 0 < ours["disk_beyond_gguf_bytes"] < 2 * row["gguf_bytes"]
+    assert "skipped" in row["llama.cpp"] and "build_llamacpp.sh" in row["llama.cpp"]["skipped"]
+    assert "llama.cpp  skipped" in bench_load.format_load(report)
+    assert not list((tmp_path / "cache").glob("gguf/*"))  # the first-ever cache was its own

@@ -397,8 +397,7 @@ def model_bytes(config: object, dtype: str) -> int:
     """Bytes of the weights at a precision, from shapes alone (the model is built on meta)."""
     from clover.models import build_model
 
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_model(config, meta=True)
     per = {"float32": 4, "bfloat16": 2}
     total = 0
     quantizable = set()

@@ -334,6 +334,21 @@ def cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load(a: argparse.Namespace) -> int:
+    from clover.bench.load import format_load, run_load
+
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    record = machine()
+    report = {"benchmark": "clover bench load", "date": now(), "command": command_line(),
+              "machine": record, "notes": _busy_note(record)}  # fmt: skip
+    report.update(run_load(models, a.tokens, a.reps, a.threads, log=_log))
+    out = Path(a.out) if a.out else RESULTS / "bench-load.json"
+    write_results(report, out)
+    _log(f"wrote {out}")
+    print(format_load(report))
+    return 0
+
+
 def cmd_passes(a: argparse.Namespace) -> int:
     import torch
 
@@ -450,6 +465,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-plot", action="store_true")
     q.set_defaults(func=cmd_quality)
 
+    ld = kinds.add_parser(
+        "load",
+        help="start time, peak RSS and disk: ours vs llama.cpp on "
+        "the same GGUF (first-ever and warm starts)",
+    )
+    ld.add_argument(
+        "--models",
+        "-m",
+        default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b",
+        help="comma list of GGUF models (names or paths)",
+    )
+    ld.add_argument("--tokens", type=int, default=256, help="answer length for the RSS figure")
+    ld.add_argument("--reps", type=int, default=3, help="warm starts per engine")
+    ld.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    ld.add_argument("--out", help="results JSON (default benchmarks/results/bench-load.json)")
+    ld.set_defaults(func=cmd_load)
     p = kinds.add_parser("plot", help="PNGs from bench results files")
     p.add_argument("results", nargs="+", help="bench-speed-*.json / bench-quality-*.json")
     p.set_defaults(func=cmd_plot)

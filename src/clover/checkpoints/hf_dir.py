@@ -182,8 +182,7 @@ def check_dir(directory: Path) -> object:
     tensors' names and shapes checked against the architecture built on the meta device (the
     family's `sanitize` runs on shapes alone). `clover info DIR`."""
     config = make_config(read_config(directory))
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_model(config, meta=True)
     state: dict[str, torch.Tensor] = {}
     for f in safetensors_files(directory):
         with _open(f) as (_, _, header):
@@ -202,8 +201,7 @@ def model_from_state(
     """Build the model on the meta device and adopt the tensors (converted one at a time, so
     peak memory is one model in `dtype` plus one source tensor). Consumes `state`."""
     config = make_config(config_dict)
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_model(config, meta=True)
     given, state = state, architecture(config.model_type).sanitize(state, config)
     check_state(model, state, source)
     for name in list(state):

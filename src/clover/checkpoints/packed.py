@@ -291,8 +291,8 @@ def pack_gguf(gf: GGUFFile, target: Path, wide: str = "int8", progress: bool = T
     config = gf.config()
     src = _Source(gf, config)
     cfg = make_config(config)
+    skeleton = build_model(cfg, meta=True)
     with torch.device("meta"):
-        skeleton = build_model(cfg)
         shapes = {hf: torch.empty(src.shape(hf)) for hf in src.names}
         state = src.arch.sanitize(dict(shapes), cfg)
     check_state(skeleton, state, str(gf.path))
@@ -407,8 +407,7 @@ def load_packed(pack: PackFile, gguf_path: Path, config: dict) -> DiffusionLM:
     overrides applied."""
     meta = pack.meta
     cfg = make_config(config)
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model = build_model(cfg, meta=True)
     for path, entry in meta["linears"].items():
         keys = ("q", "scales", "mults", "bases")
         w = QWeight.from_stored(entry["w"], {k: pack.tensor(f"{path}.{k}") for k in keys

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -57,7 +58,7 @@ CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 SLOWER = "about 2.5x slower"  # PyTorch's kernels against these, an AR step of the default model
 COMPILER_HINT = "install one (Debian/Ubuntu: apt install g++; macOS: xcode-select --install)"
-FAILED = "failed.json"
+FAILED, BUILT = "failed.json", "built.json"
 
 _state: dict = {}
 
@@ -141,6 +142,14 @@ def load(verbose: bool = False) -> ModuleType | None:
             why = "an earlier build failed"
         _off(f"the build failed before ({why}); `clover kernels --rebuild` tries again")
         return None
+    name = f"clover_kernels_{key}"
+    built = target / BUILT  # written after a whole build: its .so is these sources' own
+    if built.is_file():
+        try:
+            _state["module"] = _import(name, target / f"{name}.so")
+            return _state["module"]
+        except ImportError:  # damaged: build again
+            built.unlink(missing_ok=True)
     fresh = not any(target.glob("*.so"))
     if fresh:
         _notice("building the CPU kernels (once; about a minute)...")
@@ -150,7 +159,7 @@ def load(verbose: bool = False) -> ModuleType | None:
             from torch.utils import cpp_extension
 
             module = cpp_extension.load(
-                name=f"clover_kernels_{key}",
+                name=name,
                 sources=[str(here / s) for s in SOURCES],
                 extra_cflags=CFLAGS,
                 extra_ldflags=LDFLAGS,
@@ -164,17 +173,28 @@ def load(verbose: bool = False) -> ModuleType | None:
                                           "compiler": compiler}))  # fmt: skip
         _off(f"the build failed ({why}); see `clover kernels --rebuild` for the whole log")
         return None
+    with contextlib.suppress(OSError):
+        built.write_text(json.dumps({"torch": torch.__version__, "compiler": compiler}))
     _state["module"] = module
+    return module
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    """The built extension, imported as `cpp_extension.load` imports it, without asking ninja
+    again whether it is up to date (its key already says so)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
 def _first_error(log: str) -> str:
     """The compiler's first error line of a build log, shortened, else its first line."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for ln in lines:
-        if "error" in ln.lower() and ("error:" in ln or "Error" in ln):
-            return ln[:200]
-    return lines[0][:200] if lines else ""
+    found = [ln for ln in lines if "error:" in ln] or lines
+    return found[0][:200] if found else ""
 
 
 def status() -> dict:
@@ -193,6 +213,7 @@ def rebuild(verbose: bool = True) -> ModuleType | None:
         raise RuntimeError(f"no C++ compiler found: {COMPILER_HINT}")
     target = build_dir(_key(Path(__file__).parent, compiler))
     (target / FAILED).unlink(missing_ok=True)
+    (target / BUILT).unlink(missing_ok=True)
     _state.clear()
     return load(verbose)
 
