@@ -310,12 +310,16 @@ def load(
         if not Path(drafter).is_file():
             raise CloverError(f"drafter file {drafter} not found")
         # not a submodule: the model's own state, casts and quantization leave it alone
-        d = load_drafter(Path(drafter), net).to(dev)
-        if dtype == "int4":  # its linears in 4 bits too: a drafter pass is then ~its head
+        if dtype == "int4":  # its linears in 4 bits too (from the file's weights as they are)
             from clover.quant import quantize_linears, release_freed_memory
 
-            quantize_linears(d)
-            release_freed_memory()  # its file's and float32 copies
+            d = quantize_linears(load_drafter(Path(drafter), net, linear_dtype=torch.bfloat16))
+            for m in d.modules():  # shapes the kernel does not tile: float32, as the rest
+                if isinstance(m, torch.nn.Linear):
+                    m.float()
+            release_freed_memory()  # the file's tensors
+        else:
+            d = load_drafter(Path(drafter), net).to(dev)
         object.__setattr__(net, "drafter", d)
         drafter = str(drafter)
     if resolved is not None and resolved.entry is not None and resolved.entry.dots_x != 15:

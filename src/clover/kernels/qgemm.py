@@ -270,8 +270,11 @@ class QWeight:
         scales = tensors.get("scales")
         mults, bases = tensors.get("mults"), tensors.get("bases")
         if scales is None:  # float32(mult) * base is each scale exactly (`compact_parts`)
-            per = mults.shape[1] // bases.shape[1]
-            scales = mults.float() * bases.repeat_interleave(per, dim=1)
+            NT, G, parts, _ = mults.shape
+            per = G // bases.shape[1]
+            scales = torch.empty(mults.shape, dtype=torch.float32)  # one allocation, no temps
+            scales.copy_(mults)
+            scales.view(NT, G // per, per, parts, 16).mul_(bases[:, :, None])
         return cls(attrs["bits"], attrs["group"], attrs["out"], attrs["in"], tensors["q"],
                    scales, mults=mults, bases=bases)  # fmt: skip
 

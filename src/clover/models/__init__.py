@@ -10,16 +10,11 @@ run (`ALIASES`). Model types we know and cannot run say why (`REFUSED`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from types import ModuleType
-
-import torch
-from torch import nn
 
 from clover.errors import CloverError
 from clover.models import clover, llada2, llama, qwen3
-from clover.models.base import DiffusionLM
+from clover.models.base import DiffusionLM, on_meta
 
 ARCHITECTURES: dict[str, ModuleType] = {t: llama for t in llama.MODEL_TYPES}
 ARCHITECTURES.update({t: qwen3 for t in qwen3.MODEL_TYPES})
@@ -83,30 +78,6 @@ def build_model(config: object, meta: bool = False) -> DiffusionLM:
         return architecture(config.model_type).Model(config)
     with on_meta():
         return architecture(config.model_type).Model(config)
-
-
-_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
-          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
-
-
-@contextlib.contextmanager
-def on_meta() -> Iterator[None]:
-    """Modules built inside land on the meta device and skip `torch.nn.init`: a meta tensor
-    has no values to initialize, and some PyTorch versions run meta initializers through
-    reference code whose first import costs seconds."""
-    saved = {name: getattr(nn.init, name) for name in _INITS}
-    for name in _INITS:
-        setattr(nn.init, name, _unchanged)
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
-
-
-def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return tensor
 
 
 __all__ = ["ARCHITECTURES", "DiffusionLM", "architecture", "build_model", "make_config", "on_meta"]

@@ -16,7 +16,9 @@ Without a cache, "causal"/"block" run on a fresh one (the uncached reference).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import fields
 from typing import Literal
 
@@ -232,3 +234,27 @@ def _per_row(value: torch.Tensor | int | None, default: int, batch: int) -> torc
     if isinstance(value, int):
         return torch.full((batch,), value, dtype=torch.long)
     return value.to(torch.long)
+
+
+_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Modules built inside land on the meta device and skip `torch.nn.init`: a meta tensor
+    has no values to initialize, and some PyTorch versions run meta initializers through
+    reference code whose first import costs seconds."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, _unchanged)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor

@@ -43,6 +43,7 @@ from torch import nn
 
 from clover.errors import CloverError
 from clover.files import atomic_write
+from clover.models.base import on_meta
 from clover.models.cache import KVCache, ModelCache
 from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
 from clover.models.layout import StepLayout, cached_layout
@@ -502,9 +503,14 @@ def read_drafter_config(path: Path) -> DrafterConfig:
 
 
 def load_drafter(
-    path: Path, target: nn.Module | None = None, dtype: torch.dtype = torch.float32
+    path: Path,
+    target: nn.Module | None = None,
+    dtype: torch.dtype = torch.float32,
+    linear_dtype: torch.dtype | None = None,
 ) -> Drafter:
-    """The drafter in `path`; with `target`, refused unless it was trained on that model."""
+    """The drafter in `path`; with `target`, refused unless it was trained on that model.
+    linear_dtype: its linears' weights in this dtype instead (the file's, for a caller that
+    quantizes them next: no float32 copy is made)."""
     from safetensors.torch import load_file
 
     config = read_drafter_config(path)
@@ -513,7 +519,8 @@ def load_drafter(
             f"{path}: this drafter was trained on {config.target!r} (fingerprint "
             f"{config.target_fingerprint}), not on the model loaded here ({fingerprint(target)})"
         )
-    drafter = Drafter(config)
+    with on_meta():  # every tensor comes from the file: no initializer to run
+        drafter = Drafter(config)
     state = load_file(str(path))
     vocab = state.pop("draft_vocab", None)
     if (0 if vocab is None else len(vocab)) != config.draft_vocab:
@@ -526,9 +533,11 @@ def load_drafter(
     if missing or extra:
         raise CloverError(f"{path}: drafter file lacks {sorted(missing)[:3]}, has extra "
                           f"{sorted(extra)[:3]}")  # fmt: skip
-    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    linears = {f"{n}.weight" for n, m in drafter.named_modules() if isinstance(m, nn.Linear)}
+    drafter.load_state_dict({k: v.to(linear_dtype if k in linears and linear_dtype else dtype)
+                             for k, v in state.items()}, assign=True)  # fmt: skip
     drafter.set_vocab(vocab)
-    return drafter.to(dtype).eval()
+    return drafter.eval()
 
 
 # --- the speculators format (vLLM's drafter checkpoints) ------------------------------------
