@@ -309,7 +309,7 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
         (target / "tokenizer.json").write_text("half")
         raise CloverError("boom")
 
-    monkeypatch.setattr(gguf_tokenizer, "_write_tokenizer", broken)
+    monkeypatch.setattr(gguf_tokenizer, "_write_in_child", broken)
     with pytest.raises(CloverError, match="boom"):
         convert_gguf_tokenizer(gguf, out)
     assert (out / "tokenizer.json").read_text() == "old"
@@ -318,7 +318,7 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     def works(src, target):
         (target / "tokenizer.json").write_text("new")
 
-    monkeypatch.setattr(gguf_tokenizer, "_write_tokenizer", works)
+    monkeypatch.setattr(gguf_tokenizer, "_write_in_child", works)
     convert_gguf_tokenizer(gguf, out)
     assert (out / "tokenizer.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]
@@ -331,10 +331,20 @@ def test_gguf_conversion_is_atomic(tmp_path, monkeypatch):
     side.mkdir()
     (side / "tokenizer.json").write_text("carried")
     (side / "tokenizer_config.json").write_text("{}")
-    monkeypatch.setattr(gguf_tokenizer, "_write_tokenizer", broken)
+    monkeypatch.setattr(gguf_tokenizer, "_write_in_child", broken)
     convert_gguf_tokenizer(gguf, out)
     assert (out / "tokenizer.json").read_text() == "carried"
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
+def test_gguf_conversion_runs_in_a_child_and_brings_its_error_back(tmp_path):
+    """transformers converts in a child process (its memory leaves with it); a file it cannot
+    read is this process's CloverError, naming the file, and leaves nothing behind."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(CloverError, match=r"cannot convert the tokenizer embedded in .*m\.gguf"):
+        convert_gguf_tokenizer(gguf, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 def _smollm2_gguf() -> Path | None:

@@ -7,7 +7,8 @@ Per model, each in a fresh child process (so every peak is that process's own, V
   work is timed: packing, tokenizer conversion);
 - warm starts: the same cache afterwards, `reps` times (the fastest is the figure);
 - load: seconds from `LLM(...)` to ready, and the peak RSS when it returns; answer: the peak
-  RSS after a greedy answer of `tokens` tokens to one coding prompt;
+  RSS after a greedy answer of `tokens` tokens to one coding prompt; a first start's figure is
+  the larger of its own and its children's (the tokenizer converts in a child process);
 - disk: bytes the cache keeps for the GGUF beyond the file itself.
 llama.cpp: `llama-completion` (scripts/build_llamacpp.sh) loading the same file, its own
 "load time", and its peak RSS for a 1-token and a `tokens`-token answer to the same prompt.
@@ -40,9 +41,12 @@ rss_load = peak_rss_mb()
 prompt = llm.chat_prompt([{"role": "user", "content": sys.argv[2]}])
 settings = llm.default_settings(GenerationSettings(max_tokens=int(sys.argv[3])))
 [c] = llm.generate([prompt], settings)
+import resource  # a first start converts the tokenizer in a child: its peak counts too
+child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 print(json.dumps({"load_s": round(load_s, 3), "rss_load_mb": round(rss_load, 1),
-                  "rss_answer_mb": round(peak_rss_mb(), 1), "tokens": c.output_tokens,
-                  "tok_s": round(c.tokens_per_s, 2), "dtype": llm.dtype}))
+                  "rss_answer_mb": round(peak_rss_mb(), 1), "rss_children_mb": round(child, 1),
+                  "tokens": c.output_tokens, "tok_s": round(c.tokens_per_s, 2),
+                  "dtype": llm.dtype}))
 """
 
 
@@ -90,7 +94,7 @@ def clover_rows(model: str, tokens: int, reps: int, log: object = print) -> dict
         "load_s_first": first["load_s"],
         "rss_load_mb": max(r["rss_load_mb"] for r in warm),
         "rss_answer_mb": max(r["rss_answer_mb"] for r in warm),
-        "rss_first_mb": first["rss_answer_mb"],
+        "rss_first_mb": max(first["rss_answer_mb"], first["rss_children_mb"]),
         "disk_beyond_gguf_bytes": disk,
     }
 
@@ -114,7 +118,8 @@ def _llamacpp_child(binary: Path, gguf: Path, tokens: int, threads: int) -> dict
     if proc.returncode:
         raise CloverError(f"{binary.name} failed: {err.strip()[-400:]}")
     load = re.search(r"load time =\s*([\d.]+) ms", err)
-    gen = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", err.split("prompt eval")[-1])
+    evals = [ln for ln in err.splitlines() if "eval time" in ln and "prompt eval" not in ln]
+    gen = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", evals[-1] if evals else "")
     return {"load_s": round(float(load.group(1)) / 1000, 3) if load else None,
             "tok_s": round(int(gen.group(2)) / float(gen.group(1)) * 1000, 2) if gen else None,
             "command": " ".join(command)}  # fmt: skip
@@ -142,14 +147,14 @@ def llamacpp_rows(gguf: Path, tokens: int, reps: int, threads: int, log: object 
         runs.append(_llamacpp_child(binary, gguf, tokens, threads))
     base = [str(binary), "-m", str(gguf), "-p", PROMPT, "--temp", "0", "-t", str(threads),
             "-no-cnv", "--no-warmup", "-c", "2048"]  # fmt: skip
-    commit = bin_dir.parents[1] / "commit"
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     return {
         "load_s_warm": min(r["load_s"] for r in runs if r["load_s"] is not None),
         "tok_s": max((r["tok_s"] for r in runs if r["tok_s"]), default=None),
         "rss_load_mb": _peak_of([*base, "-n", "1"]),
         "rss_answer_mb": _peak_of([*base, "-n", str(tokens)]),
         "disk_beyond_gguf_bytes": 0,
-        "build": commit.read_text().strip() if commit.is_file() else str(bin_dir),
+        "build": f"{bin_dir} ({' '.join((version.stdout + version.stderr).split()[:6])})",
         "command": runs[0]["command"],
     }
 

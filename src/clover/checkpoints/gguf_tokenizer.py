@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,21 @@ def _write_tokenizer(gguf_path: Path, target: Path) -> None:
                 extra.unlink()
 
 
+def _write_in_child(gguf_path: Path, target: Path) -> None:
+    """`_write_tokenizer` in a child process: transformers and its GGUF reader take a few
+    hundred MB that a serving process would otherwise keep (a first start would peak above
+    every later one). Its error comes back as this process's CloverError."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "clover.checkpoints.gguf_tokenizer", str(gguf_path), str(target)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise CloverError(lines[-1].removeprefix("error: ") if lines else
+                          f"converting the tokenizer of {gguf_path} failed")  # fmt: skip
+
+
 def convert_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> None:
     """Write `out_dir/tokenizer.json` and `out_dir/tokenizer_config.json` (special tokens,
     add_bos_token, chat_template) for the vocabulary embedded in `gguf_path`.
@@ -125,7 +142,7 @@ def convert_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> None:
             for n in names:
                 shutil.copyfile(sidecar / n, staging / n)
         else:
-            _write_tokenizer(gguf_path, staging)
+            _write_in_child(gguf_path, staging)
         if out_dir.exists():
             # Directories cannot be renamed over: move the old one aside first, then drop it.
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
@@ -136,3 +153,11 @@ def convert_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> None:
             os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+if __name__ == "__main__":  # the child of `_write_in_child`: GGUF path, target folder
+    try:
+        _write_tokenizer(Path(sys.argv[1]), Path(sys.argv[2]))
+    except CloverError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -34,6 +34,7 @@ from clover.errors import CloverError
 from clover.files import atomic_write_text
 from clover.models import make_config
 from clover.models.base import DiffusionLM
+from clover.quant import release_freed_memory
 from clover.tokenizer import Tokenizer
 
 DTYPES = {
@@ -137,6 +138,7 @@ def packed_weights(
                           "$CLOVER_CACHE") from None  # fmt: skip
     finally:
         gf.close()
+        release_freed_memory()  # the packing's temporaries: a first start peaks as later ones
     return PackFile(path)
 
 
