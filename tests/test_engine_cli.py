@@ -114,6 +114,23 @@ def test_cli_info_json(tiny_checkpoint, capsys):
     assert info["architecture"] == "llama"
     assert info["total_params"] == info["active_params"] > 0
     assert info["bf16_bytes"] == 2 * info["total_params"]
+    from clover import kernels
+
+    on = kernels.load() is not None  # the kernels' state, in one line: on, or off and why
+    assert info["kernels"].startswith("on (" if on else "off: ")
+
+
+def test_cli_says_in_one_line_that_the_kernels_are_off_and_why(tiny_checkpoint, capsys,
+                                                               monkeypatch):  # fmt: skip
+    from clover import kernels
+
+    monkeypatch.setattr(kernels, "_state", {"module": None, "why": "no C++ compiler found"})
+    assert main(["generate", "-m", str(tiny_checkpoint), "-p", "hi", "--max-tokens", "2",
+                 "-v"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "[kernels off: no C++ compiler found (PyTorch's kernels instead, about 2.5x" in err
+    assert main(["kernels"]) == 1
+    assert "kernels off: no C++ compiler found" in capsys.readouterr().out
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
