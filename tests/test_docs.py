@@ -1,0 +1,100 @@
+"""The docs cite what exists: every results file, script, config, source path and doc page that
+the README, `docs/` or CONTRIBUTING.md names is in the tree, and the README stays short.
+
+Checked: `benchmarks/results/...` files named anywhere in a page, and repo-relative paths under
+the prefixes below inside code (inline spans and fenced blocks) or as link targets. A path
+written as a pattern (`bench-speed-<model>.json`, `runs/*`, `{a,b}`) is a pattern, not a
+citation, and is left alone. While README.new.md exists, README.md is the page it replaces, and
+only README.new.md is checked.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_README_LINES = 250
+PREFIXES = ("benchmarks", "scripts", "src", "configs", "docs", "model_cards")
+RESULT_SUFFIXES = (".json", ".jsonl", ".png", ".csv", ".txt")
+# a path: one of the prefixes at a word boundary, then path characters
+PATH = re.compile(r"(?<![\w./~-])((?:" + "|".join(PREFIXES) + r")/[\w./+-]*)")
+RESULT = re.compile(r"(?<![\w./~-])(benchmarks/results/[\w.+-]+)")
+PATTERN_CHARS = "<{*[$"  # what follows a path written as a pattern
+SPAN = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def pages() -> list[Path]:
+    readme = "README.new.md" if (ROOT / "README.new.md").is_file() else "README.md"
+    found = [ROOT / readme, *sorted((ROOT / "docs").glob("*.md"))]
+    return found + [p for p in [ROOT / "CONTRIBUTING.md"] if p.is_file()]
+
+
+def code_text(text: str) -> list[str]:
+    """The page's code: inline spans, and fenced blocks line by line."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        out.extend([line] if fenced else SPAN.findall(line))
+    return out
+
+
+def paths_in(text: str, pattern: re.Pattern) -> list[str]:
+    """Literal paths `pattern` finds in `text`: patterns and trailing punctuation left out."""
+    out = []
+    for m in pattern.finditer(text):
+        after = text[m.end() : m.end() + 1]
+        if after and after in PATTERN_CHARS:
+            continue
+        out.append(m.group(1).rstrip(".,:;"))
+    return out
+
+
+def cited(page: Path) -> set[str]:
+    """Every repo-relative path the page cites (see the module docstring)."""
+    text = page.read_text(encoding="utf-8")
+    found = {p for p in paths_in(text, RESULT) if p.endswith(RESULT_SUFFIXES)}
+    for code in code_text(text):
+        found.update(paths_in(code, PATH))
+    for target in LINK.findall(text):
+        target = target.split("#")[0]
+        if target and "://" not in target and not target.startswith("mailto:"):
+            found.add(str((page.parent / target).resolve().relative_to(ROOT)))
+    return {p.rstrip("/") for p in found if p.rstrip("/")}
+
+
+def test_the_checker_finds_citations_and_skips_patterns(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "See benchmarks/results/a.json and `python benchmarks/x.py --out y`.\n"
+        "Patterns: `benchmarks/results/bench-<model>.json`, `configs/{a,b}.yaml`, "
+        "`benchmarks/results/*.json`, benchmarks/results/ alone.\n"
+        "```bash\nclover train drafter --config configs/c.yaml\n```\n"
+        "A folder: `src/clover/kernels/`.\n",
+        encoding="utf-8",
+    )
+    assert cited(page) == {
+        "benchmarks/results/a.json",
+        "benchmarks/x.py",
+        "configs/c.yaml",
+        "src/clover/kernels",
+    }
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_every_cited_path_exists(page):
+    missing = sorted(p for p in cited(page) if not (ROOT / p).exists())
+    assert not missing, f"{page.name} cites paths that do not exist: {missing}"
+
+
+def test_readme_is_short():
+    if (ROOT / "README.new.md").is_file():
+        pytest.skip("README.new.md has not replaced README.md yet")
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; at most {MAX_README_LINES}"
