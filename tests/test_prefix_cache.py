@@ -89,12 +89,17 @@ def check_invariants(cache: PrefixCache) -> None:
     for (parent_id, toks), b in cache.table.items():
         assert b.parent.id == parent_id and b.tokens == toks
         assert len(toks) == cache.block_tokens and b.end == b.parent.end + cache.block_tokens
-        assert b.parent is cache.root or cache.table.get((b.parent.parent.id, b.parent.tokens))
+        roots = list(cache.roots.values())
+        assert any(b.parent is r for r in roots) or cache.table.get(
+            (b.parent.parent.id, b.parent.tokens)
+        )
         children[parent_id] = children.get(parent_id, 0) + 1
         assert b.refs >= 0
         assert b.kv is not None and b.kv.shape[3] == cache.block_tokens  # models here attend
         total += b.nbytes
-    for b in [cache.root, *cache.table.values()]:
+    for partition, root in cache.roots.items():  # a partition with nothing is forgotten
+        assert partition is None or root.children or root.snaps
+    for b in [*cache.roots.values(), *cache.table.values()]:
         assert b.children == children.get(b.id, 0)
         for tail, s in b.snaps.items():
             assert s.tail == tail and len(tail) < cache.block_tokens
@@ -351,6 +356,35 @@ def test_eviction_under_pressure_stays_in_bound_and_exact(arch):
     report = cache.report()
     assert report["evictions"] > 0 and report["hits"] > 0
     assert report["bytes"] <= report["capacity_bytes"]
+
+
+def run_in(model, prompt, policy, cache, partition, max_new=4):
+    batch = BatchDecoder(model, cache)
+    row = batch.add(prompt, policy, max_new_tokens=max_new, partition=partition,
+                    eos_token_ids=[model.config.eos_token_id])  # fmt: skip
+    while batch.active:
+        batch.step()
+    batch.close()
+    return row.result
+
+
+def test_partitions_never_share_prefixes():
+    """Issue 61: a tenant's (or a cache salt's) prompts are reused within its partition and
+    never seen from another, and a partition that holds nothing more is forgotten."""
+    model = llama()
+    policy = make_policy("ar")
+    cache = cache_for(model)
+    prompt = tokens(30, 24, 64)
+    assert run_in(model, prompt, policy, cache, ("alice", None)).cached_tokens == 0
+    assert run_in(model, prompt, policy, cache, ("alice", None)).cached_tokens >= 20
+    for other in (("bob", None), ("alice", "salt"), None):
+        assert run_in(model, prompt, policy, cache, other).cached_tokens == 0
+    assert cache.lookup(prompt, len(prompt), exact=False, partition="carol").length == 0
+    check_invariants(cache)
+    assert len(cache.roots) == 4
+    cache.clear()
+    assert set(cache.roots) == {None}
+    check_invariants(cache)
 
 
 def test_pinned_chain_is_never_evicted():

@@ -137,10 +137,12 @@ BAD = [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "function tools"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
      "nope"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"pattern": "a"}}}},
-     "pattern"),
-    ({"input": "x", "max_output_tokens": 0}, "max_tokens"),
-    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning_effort"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
+                                        "schema": {"pattern": "a"}}}}, "pattern"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+     "text.format.name"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "x", "background": True}, "background"),
 ]  # fmt: skip
 

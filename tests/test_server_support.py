@@ -30,6 +30,7 @@ from clover.models.base import DiffusionLM
 from clover.models.cache import KVCache
 from clover.serving.app import create_app
 from clover.serving.options import ServeOptions
+from clover.serving.server import uvicorn_config
 from tests.conftest import TINY, tiny_model
 from tests.test_tokenizer import CHATML, _byte_level_backend
 
@@ -104,11 +105,15 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def serve_in_thread(options: ServeOptions, loader, wait: bool = True):
+def serve_in_thread(options: ServeOptions, loader, wait: bool = True, guarded: bool = False):
     """The app under uvicorn in a background thread; yields its base URL (once the model is
-    loaded, unless `wait` is False)."""
+    loaded, unless `wait` is False). `guarded`: with `clover serve`'s own uvicorn settings
+    (header and body timeouts, connections per client)."""
     app = create_app(options, loader)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    if guarded:
+        config = uvicorn_config(app, options, host="127.0.0.1", port=0)
+    else:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -510,6 +510,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         host=a.host,
         port=a.port,
         api_key=a.api_key if a.api_key is not None else os.environ.get("CLOVER_API_KEY"),
+        keys_file=a.keys_file,
+        rate_limit_rpm=a.rate_limit_rpm,
+        rate_limit_tpm=a.rate_limit_tpm,
+        header_timeout=a.header_timeout,
+        body_timeout=a.body_timeout,
+        max_connections_per_client=a.max_connections_per_client,
         served_model_name=a.served_model_name,
         max_running=a.max_running,
         max_queue=a.max_queue,
@@ -545,6 +551,34 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         help="require `Authorization: Bearer KEY` or `x-api-key: KEY` (default: "
         "$CLOVER_API_KEY); an empty key is refused",
+    )
+    p.add_argument(
+        "--keys-file",
+        metavar="FILE",
+        help="API keys of several tenants, one `KEY TENANT [rpm=N] [tpm=N]` a line; each "
+        "tenant has its own prefix cache and limits; SIGHUP reloads the file",
+    )
+    p.add_argument(
+        "--rate-limit-rpm", type=int, metavar="N", help="requests a minute per tenant (none)"
+    )
+    p.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        metavar="N",
+        help="prompt + generated tokens a minute per tenant (none)",
+    )
+    p.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds for request headers (10)"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds for a request body (60)"
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=64,
+        metavar="N",
+        help="open connections per client address (64; 0: no cap, e.g. behind a proxy)",
     )
     p.add_argument("--served-model-name", help="model id clients use (default: the model's)")
     p.add_argument(

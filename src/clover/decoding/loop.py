@@ -149,11 +149,13 @@ class BatchDecoder:
         seed_index: int = 0,
         constraint: LogitsConstraint | None = None,
         marks: tuple[int, ...] | list[int] = (),
+        partition: object = None,
     ) -> Row:
         """Queue a prompt into the batch; returns its row (its `.result` fills as it runs).
         `constraint` limits which tokens the row may commit (`constraints.py`). `marks`:
         prompt positions worth a prefix-cache snapshot (e.g. where the chat template's last
-        user turn starts), for models with recurrent layers."""
+        user turn starts), for models with recurrent layers. `partition`: the prefix-cache
+        partition the row reads and feeds (a server's tenant and cache salt)."""
         t_added = time.perf_counter()
         _check(self.model, [prompt], policy, max_new_tokens)
         sampling = sampling or SamplingParams()
@@ -171,6 +173,7 @@ class BatchDecoder:
         row.sampling, row.eos, row.stop = sampling, set(eos_token_ids), stop
         row.constraint = constraint
         row.t_added, row.marks = t_added, tuple(marks)
+        row.partition = partition
         if isinstance(row, SpecRow):
             if row.uses_drafter and self.drafting is None:
                 self.drafting = DrafterRunner(self.model, self.model.drafter)
@@ -222,7 +225,7 @@ class BatchDecoder:
         recurrent = any(layer.recurrent for layer in cache.layers)
         end = len(prompt) - 1
         if prefix is not None:
-            hit = prefix.lookup(prompt, end, exact=recurrent)
+            hit = prefix.lookup(prompt, end, exact=recurrent, partition=row.partition)
             prefix.restore(hit, cache)
             row.pin = prefix.hold(hit)
             row.committed, row.pending = prompt[: hit.length], prompt[hit.length :]
@@ -324,7 +327,7 @@ class BatchDecoder:
                 snaps.setdefault(p, None)
         if states is None:
             snaps[len(row.committed)] = None
-        row.pin = self.prefix.save(cache, k, row.committed, snaps, row.pin)
+        row.pin = self.prefix.save(cache, k, row.committed, snaps, row.pin, row.partition)
         row.prompt_saved = True
 
     def _leave(self, k: int, save: bool) -> None:

@@ -21,6 +21,10 @@ Decisions:
   so a hit copies its blocks in (one concatenation and one copy per layer) and saving copies
   them out. Paged attention would make reuse copy-free but change every attention call; the
   copy costs far less than the prefill it replaces.
+- Partitions: a lookup or save names a partition (any hashable; None is the default) and sees
+  only that partition's chains, each hanging from its own root, so requests of different
+  tenants (or cache salts) never reuse, or learn of, each other's prefixes. A partition's
+  root goes away with its last block or snapshot.
 - Memory: blocks + snapshots stay within `capacity_bytes`. When full, the least recently used
   leaf block (one no cached block continues) or snapshot goes first; a running row pins the
   deepest block of its chain, which keeps every block it uses (ancestors are never leaves).
@@ -111,7 +115,9 @@ class PrefixCache:
         self.recurrent = recurrent
         self.block_tokens = block_tokens
         self.snapshot_every = snapshot_every
-        self.root = Block(0, None, (), None, 0)
+        self.root = Block(0, None, (), None, 0)  # the default partition's
+        self.roots: dict[object, Block] = {None: self.root}
+        self._partition_of: dict[int, object] = {}  # a root's id -> its partition
         self.table: dict[tuple[int, tuple[int, ...]], Block] = {}
         self.bytes = 0
         self.snapshots = 0
@@ -148,12 +154,12 @@ class PrefixCache:
 
     # --- lookup and restore -------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int], limit: int, exact: bool) -> Hit:
-        """The longest cached prefix of tokens[:limit]. exact: only snapshots count (a model
-        with recurrent layers); otherwise any block boundary does too."""
+    def lookup(self, tokens: list[int], limit: int, exact: bool, partition: object = None) -> Hit:
+        """The longest cached prefix of tokens[:limit] in `partition`. exact: only snapshots
+        count (a model with recurrent layers); otherwise any block boundary does too."""
         with self._lock:
             bs = self.block_tokens
-            node, depth = self.root, 0
+            node, depth = self.roots.get(partition, _EMPTY_ROOT), 0
             path: list[Block] = []
             best_len, best_depth, best_snap = 0, 0, None
             while True:
@@ -219,6 +225,7 @@ class PrefixCache:
         tokens: list[int],
         snapshots: dict[int, list | None],
         pin: Block | None,
+        partition: object = None,
     ) -> Block | None:
         """Save what row `row` of `cache` has committed: `tokens` are its committed ids (the
         cache holds len(tokens) of them). Full blocks go into the chain; a snapshot goes at
@@ -228,7 +235,11 @@ class PrefixCache:
         with self._lock:
             kinds = [layer.recurrent for layer in cache.layers]
             bs = self.block_tokens
-            node, now = self.root, next(self._clock)
+            root = self.roots.get(partition)
+            if root is None:
+                root = self.roots[partition] = Block(next(self._ids), None, (), None, 0)
+                self._partition_of[root.id] = partition
+            node, now = root, next(self._clock)
             chain = [node]
             full = len(tokens) // bs * bs
             # K/V of blocks not cached yet, copied out COPY_BLOCKS at a time (fewer, larger
@@ -257,6 +268,7 @@ class PrefixCache:
             for pos, states in sorted(snapshots.items()):
                 if 0 < pos <= len(tokens):
                     self._snapshot(cache, row, kinds, tokens, pos, states, chain, now)
+            self._forget_if_empty(root)
             deepest = chain[-1] if len(chain) > 1 else None
             if deepest is not pin:
                 if deepest is not None:
@@ -330,8 +342,9 @@ class PrefixCache:
                     victims.append((s.used, 0, (b, s)))
                 if not b.children and not b.refs and id(b) not in kept:
                     victims.append((b.used, 1, b))
-            for s in self.root.snaps.values():
-                victims.append((s.used, 0, (self.root, s)))
+            for root in self.roots.values():
+                for s in root.snaps.values():
+                    victims.append((s.used, 0, (root, s)))
             if not victims:
                 self.stats.skipped += 1
                 return False
@@ -352,6 +365,8 @@ class PrefixCache:
         self.bytes -= snap.nbytes
         self.snapshots -= 1
         self.stats.evictions += 1
+        if block.parent is None:
+            self._forget_if_empty(block)
 
     def _drop_block(self, block: Block) -> None:
         for snap in list(block.snaps.values()):
@@ -360,6 +375,15 @@ class PrefixCache:
         block.parent.children -= 1
         self.bytes -= block.nbytes
         self.stats.evictions += 1
+        if block.parent.parent is None:
+            self._forget_if_empty(block.parent)
+
+    def _forget_if_empty(self, root: Block) -> None:
+        """A partition whose root holds nothing more is forgotten (salts are unbounded)."""
+        if root is not self.root and not root.children and not root.snaps:
+            partition = self._partition_of.pop(root.id, None)
+            if self.roots.get(partition) is root:
+                del self.roots[partition]
 
     # --- reporting ----------------------------------------------------------------------------
 
@@ -387,12 +411,15 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget everything that no running row pins."""
         with self._lock:
-            for b in [self.root, *self.table.values()]:
+            for b in [*self.roots.values(), *self.table.values()]:
                 for snap in list(b.snaps.values()):
                     self._drop_snapshot(b, snap)
             for b in sorted(self.table.values(), key=lambda b: -b.end):  # children first
                 if not b.children and not b.refs:
                     self._drop_block(b)
+
+
+_EMPTY_ROOT = Block(-1, None, (), None, 0)  # a partition with nothing cached: no chains
 
 
 def _memory_bytes() -> int:

@@ -97,6 +97,7 @@ class Row:
         self.marks: tuple[int, ...] = ()  # prompt positions for prefix-cache snapshots
         self.pin = None  # the prefix-cache block this row pins (the deepest of its chain)
         self.prompt_saved = False  # its prompt is in the prefix cache
+        self.partition = None  # the prefix-cache partition it reads and feeds
         self.t_added = 0.0
         self.answer: list[int] = []  # final answer tokens (may end with EOS)
         self.answer_steps: list[int] = []

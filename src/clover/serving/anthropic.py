@@ -28,13 +28,19 @@ from typing import Any
 
 from clover.engine import Completion
 from clover.serving.errors import APIError, bad_request
+from clover.serving.protocol import MAX_STOPS, Names
 from clover.serving.responses import Blocks, Call, matched_stop, pieces
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 UNSUPPORTED = ("mcp_servers", "container")  # refused rather than silently dropped
 PASS_THROUGH = (
-    "decoder", "block_size", "threshold", "draft", "slide", "refine_steps", "seed",
-    "parse_special_tokens", "chat_template_kwargs",
+    "decoder", "block_size", "threshold", "draft", "slide", "refine_steps", "seed", "tree",
+    "parse_special_tokens", "chat_template_kwargs", "cache_salt",
+)  # fmt: skip
+NAMES = Names(
+    tool="tools[{}]", schema="input_schema", named_choice="{type: tool, name}",
+    response_format="output_format", response_schema="output_format.schema",
+    thinking="thinking.budget_tokens", effort="thinking",
 )  # fmt: skip
 
 
@@ -57,24 +63,24 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(body.get("temperature"), int | float) and not 0 <= body["temperature"] <= 1:
         raise bad_request("temperature must be in [0, 1]", "temperature")
     if "stop_sequences" in body:
-        stops = body["stop_sequences"]
-        if not isinstance(stops, list):
-            raise bad_request("stop_sequences must be a list of strings", "stop_sequences")
-        if stops:
-            out["stop"] = stops
+        out["stop"] = _stop_sequences(body["stop_sequences"])
     messages = _system(body.get("system"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
+    asked: set[str] = set()  # tool_use ids of the assistant turn before, not yet answered
     for i, m in enumerate(raw):
-        messages += _message(m, f"messages[{i}]")
+        converted, asked = _message(m, f"messages[{i}]", asked, last=i == len(raw) - 1)
+        messages += converted
     out["messages"] = messages
     tools = body.get("tools")
+    names = []
     if tools is not None:
         out["tools"] = _tools(tools)
+        names = [t["function"]["name"] for t in out["tools"]]
     choice = body.get("tool_choice")
     if choice is not None:
-        out["tool_choice"], parallel = _tool_choice(choice)
+        out["tool_choice"], parallel = _tool_choice(choice, names)
         if parallel is not None:
             out["parallel_tool_calls"] = parallel
     thinking = body.get("thinking")
@@ -102,39 +108,74 @@ def _text(block: object, where: str) -> str:
     return block["text"]
 
 
-def _message(m: object, where: str) -> list[dict[str, Any]]:
+def _stop_sequences(stops: object) -> list[str]:
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop_sequences must be a list of strings", "stop_sequences")
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"stop_sequences: at most {MAX_STOPS}", "stop_sequences")
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise bad_request(f"stop_sequences[{i}] must not be empty", f"stop_sequences[{i}]")
+    return stops
+
+
+def _message(
+    m: object, where: str, asked: set[str], last: bool
+) -> tuple[list[dict[str, Any]], set[str]]:
+    """One Messages turn -> chat messages, and the tool_use ids it leaves to answer. `asked`
+    are those of the turn before it; `last`: the final turn (the only one whose assistant
+    content may be empty, or whose tool_use may stay unanswered)."""
     if not isinstance(m, dict):
         raise bad_request(f"{where} must be an object", where)
     role, content = m.get("role"), m.get("content")
     if role not in ("user", "assistant"):
-        raise bad_request(f"{where}.role must be user or assistant", where)
+        raise bad_request(f"{where}.role must be user or assistant", f"{where}.role")
+    may_be_empty = last and role == "assistant"
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        content = [{"type": "text", "text": content}] if content else []
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of blocks", where)
+        raise bad_request(f"{where}.content must be a string or a list of blocks",
+                          f"{where}.content")  # fmt: skip
+    if not content and not may_be_empty:
+        raise bad_request(
+            f"{where}.content is empty: only a final assistant turn may be", f"{where}.content"
+        )
     texts, calls, results = [], [], []
     for k, block in enumerate(content):
         at = f"{where}.content[{k}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_text(block, at))
+            if not texts[-1] and not may_be_empty:
+                raise bad_request(f"{at}.text is empty: text blocks must hold text", f"{at}.text")
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(block, at))
+            if texts:
+                raise bad_request(f"{at}: tool_result blocks must come before any text", at)
+            results.append(_tool_result(block, at, asked))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # past reasoning is not replayed
         else:
             raise bad_request(f"{at}: a {kind!r:.40} block is not supported in a {role} turn", at)
-    out = results
+    if asked:
+        answered = {r["tool_call_id"] for r in results}
+        if role != "user" or not asked <= answered:
+            missing = ", ".join(sorted(asked - answered))[:200]
+            raise bad_request(
+                f"{where}: the turn before it called tools whose tool_result is missing here: "
+                f"{missing}",
+                where,
+            )
     if role == "assistant":
         message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) or None}
         if calls:
             message["tool_calls"] = calls
-        return [message] if texts or calls else []
+        return ([message] if texts or calls else []), {c["id"] for c in calls}
+    out = results
     if texts or not results:
         out.append({"role": "user", "content": "\n".join(texts)})
-    return out
+    return out, set()
 
 
 def _tool_use(block: dict, where: str) -> dict[str, Any]:
@@ -147,9 +188,16 @@ def _tool_use(block: dict, where: str) -> dict[str, Any]:
     return {"id": block["id"], "type": "function", "function": fn}
 
 
-def _tool_result(block: dict, where: str) -> dict[str, Any]:
-    if not isinstance(block.get("tool_use_id"), str):
-        raise bad_request(f"{where}.tool_use_id must be a string", where)
+def _tool_result(block: dict, where: str, asked: set[str]) -> dict[str, Any]:
+    use_id = block.get("tool_use_id")
+    if not isinstance(use_id, str):
+        raise bad_request(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
+    if use_id not in asked:
+        raise bad_request(
+            f"{where}.tool_use_id {use_id[:80]!r} answers no tool_use of the assistant turn "
+            "just before it",
+            f"{where}.tool_use_id",
+        )
     content = block.get("content", "")
     if isinstance(content, list):
         content = "\n".join(_text(b, f"{where}.content") for b in content)
@@ -161,6 +209,8 @@ def _tool_result(block: dict, where: str) -> dict[str, Any]:
 
 
 def _tools(tools: object) -> list[dict[str, Any]]:
+    """Custom tools -> chat tools (their names and schemas are checked by `parse_chat`,
+    which names them as `NAMES` spells them)."""
     if not isinstance(tools, list):
         raise bad_request("tools must be a list", "tools")
     out = []
@@ -168,30 +218,38 @@ def _tools(tools: object) -> list[dict[str, Any]]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"{where}: only custom tools are supported, got {kind!r:.40}", where)
+            raise bad_request(f"{where}: only custom tools are supported, got {kind!r:.40}",
+                              f"{where}.type")  # fmt: skip
         fn: dict[str, Any] = {"name": tool.get("name")}
         if "description" in tool:
             fn["description"] = tool["description"]
         schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise bad_request(f"{where}.input_schema must be a JSON schema object", where)
+        if not isinstance(schema, dict) or schema.get("type") != "object":
+            raise bad_request(f"{where}.input_schema must be a JSON schema of type object",
+                              f"{where}.input_schema")  # fmt: skip
         fn["parameters"] = schema
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(choice: object) -> tuple[Any, bool | None]:
+def _tool_choice(choice: object, tools: list[str]) -> tuple[Any, bool | None]:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
-        raise bad_request("tool_choice.type must be auto, any, tool or none", "tool_choice")
+        raise bad_request("tool_choice.type must be auto, any, tool or none", "tool_choice.type")
     disable = choice.get("disable_parallel_tool_use")
     if disable is not None and not isinstance(disable, bool):
-        raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+        raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean",
+                          "tool_choice.disable_parallel_tool_use")  # fmt: skip
     parallel = None if disable is None else not disable
+    if kind in ("any", "tool") and not tools:
+        raise bad_request(f"tool_choice of type {kind} needs tools", "tool_choice.type")
     if kind == "tool":
         name = choice.get("name")
         if not isinstance(name, str):
-            raise bad_request("tool_choice of type tool needs a name", "tool_choice")
+            raise bad_request("tool_choice of type tool needs a name", "tool_choice.name")
+        if name not in tools:
+            raise bad_request(f"tool_choice.name {name[:64]!r} is not one of tools",
+                              "tool_choice.name")  # fmt: skip
         return {"type": "function", "function": {"name": name}}, parallel
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
@@ -199,14 +257,15 @@ def _tool_choice(choice: object) -> tuple[Any, bool | None]:
 def _thinking(thinking: object, out: dict[str, Any]) -> None:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled"):
-        raise bad_request("thinking.type must be enabled or disabled", "thinking")
+        raise bad_request("thinking.type must be enabled or disabled", "thinking.type")
     kwargs = dict(out.get("chat_template_kwargs") or {})
     kwargs["enable_thinking"] = kind == "enabled"
     out["chat_template_kwargs"] = kwargs
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-            raise bad_request("thinking.budget_tokens must be a positive integer", "thinking")
+            raise bad_request("thinking.budget_tokens must be a positive integer",
+                              "thinking.budget_tokens")  # fmt: skip
         out["max_thinking_tokens"] = budget
 
 
@@ -324,11 +383,12 @@ async def stream(call: Call) -> AsyncIterator[str]:
                     c = piece.done
                     call.record([c])
                     reason, stop = _stop(call, c, piece.reason)
-                    u = usage(call, [c])
+                    # the whole usage, cumulative as the API reports it: the cache reads are
+                    # known only now, and clients take these over message_start's
                     yield event(
                         "message_delta",
                         {"delta": {"stop_reason": reason, "stop_sequence": stop},
-                         "usage": {"output_tokens": u["output_tokens"]}},
+                         "usage": usage(call, [c])},
                     )  # fmt: skip
                     yield event("message_stop", {})
     except APIError as e:

@@ -18,7 +18,13 @@ needs them. `app.openapi()` still describes every route's request body (`schemas
 the fuzz test drives.
 
 Middleware, outermost first: request counting, CORS (only with `--cors-origins`), the
-Host/Origin guard, the API key, then `CatchAll`.
+Host/Origin guard, the API key (which finds the request's tenant), then `CatchAll`.
+
+Per request, before it is queued: the tenant's request budget (`tenants.RateLimiter`), its
+schemas compiled in a worker thread (`grammars`), a 400 if the shortest answer they allow
+cannot fit in max_tokens, then the prompt's tokens against the tenant's token budget. The
+scheduler gets the prefix-cache partition (tenant, cache_salt): reuse, and `cached_tokens`,
+never cross it.
 """
 
 from __future__ import annotations
@@ -38,21 +44,23 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from clover import __version__
 from clover.engine import LLM
 from clover.serving import anthropic, openai_responses, schemas
-from clover.serving.constraints import JsonRule, TokenConstraint, answer_rule
-from clover.serving.errors import APIError, api_for_path, internal_error, send_error
+from clover.serving.constraints import JsonRule, TextRule, TokenConstraint, answer_rule
+from clover.serving.errors import APIError, api_for_path, bad_request, internal_error, send_error
 from clover.serving.options import ServeOptions
 from clover.serving.prompt import render_chat
 from clover.serving.protocol import ChatRequest, fit, parse_chat, parse_completion, parse_json
 from clover.serving.reasoning import prompt_opens_reasoning
 from clover.serving.responses import Call, complete, stream
 from clover.serving.runtime import ClientGone, Runtime
-from clover.serving.security import ApiKeyMiddleware, HostGuard, read_body
-from clover.serving.tools import call_rule
+from clover.serving.security import TENANT, ApiKeyMiddleware, HostGuard, read_body
+from clover.serving.tenants import Tenant
+from clover.serving.tools import call_rule, call_schema
 
 log = logging.getLogger("clover.serve")
 STATIC = Path(__file__).parent / "static"
@@ -116,55 +124,97 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = runtime.metrics.render(runtime.scheduler, runtime.scheduler is not None)
+        text = runtime.metrics.render(
+            runtime.scheduler, runtime.scheduler is not None,
+            tenants=[t.name for t in runtime.keys.tenants()],
+            limited=runtime.limiter.refused, connections=runtime.connections,
+        )  # fmt: skip
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    async def start_chat(req: ChatRequest, arrived: float, prefix: str) -> Call:
+    async def answer_rule_of(
+        req: ChatRequest, opens: bool, max_tokens: int, tenant: Tenant
+    ) -> TextRule | None:
+        """The decoding rule of a chat answer (JSON output, a forced tool call, a thinking
+        budget), its schemas compiled in the grammars' thread; a 400 naming max_tokens if
+        the shortest answer it allows cannot fit in them."""
+        pairs = list(req.schemas.items())
+        forced = req.tool_choice not in ("auto", "none")  # required, or a named function
+        if forced:
+            name = None if req.tool_choice == "required" else req.tool_choice
+            where = req.tool_schemas[name] if name is not None else req.names.tool_choice
+            pairs.append((where, call_schema(req.tools, name)))
+        grammars = await runtime.grammars.compile_async(pairs, tenant.name)
+        then = None
+        if req.answer_schema is not None:
+            then = JsonRule(grammars[list(req.schemas).index(req.answer_schema)])
+        if forced:
+            then = call_rule(grammars[-1])
+        rule = answer_rule(then, req.thinking_budget, opens)
+        need = rule.need() if rule is not None else 0
+        if need and need + 1 > max_tokens:  # a token per character at worst, then the end
+            param = req.names.max_tokens
+            raise bad_request(
+                f"the shortest answer the request's schema allows is {need} characters, and "
+                f"the decoder counts a token for each: {param} ({max_tokens}) leaves no room "
+                f"for it; raise {param} or lower the schema's minLength / minItems",
+                param,
+                "schema_exceeds_max_tokens",
+            )
+        return rule
+
+    async def start_chat(req: ChatRequest, arrived: float, prefix: str, request: Request) -> Call:
         """Render, fit, constrain and submit a chat request: the one path behind
         chat/completions, Anthropic messages and Responses."""
         llm = runtime.llm
+        tenant = tenant_of(request)
         # long prompts must not stall the event loop
         text, ids, snapshots = await run_in_threadpool(render_chat, llm, req)
         settings = fit(req, len(ids), runtime.limits)
         opens = prompt_opens_reasoning(text)
-        then = JsonRule(req.json_grammar) if req.json_grammar is not None else None
-        if req.tool_choice not in ("auto", "none"):  # required, or a named function
-            then = call_rule(req.tools, None if req.tool_choice == "required" else req.tool_choice)
-        rule = answer_rule(then, req.thinking_budget, opens)
+        rule = await answer_rule_of(req, opens, settings.max_tokens, tenant)
         if rule is not None:
             vocab = await run_in_threadpool(lambda: runtime.vocab)  # decoded once, on first use
             settings = replace(settings, constraint=lambda: TokenConstraint(rule, vocab))
-        ticket = runtime.submit(ids, settings, req.n, snapshots)
+        runtime.limiter.charge_prompt(tenant, len(ids), req.names.messages)
+        partition = (tenant.name, req.cache_salt)
+        ticket = runtime.submit(ids, settings, req.n, snapshots, partition)
         return Call(
             runtime, True, f"{prefix}{uuid.uuid4().hex}", req.model, req,
             llm.default_settings(settings), [(ticket, 0)], len(ids), reasoning_start=opens,
-            tool_names=req.tool_names if req.tools else None, started=arrived,
+            tool_names=req.tool_names if req.tools else None, started=arrived, tenant=tenant,
         )  # fmt: skip
+
+    def tenant_of(request: Request) -> Tenant:
+        return request.scope.get(TENANT, runtime.keys.default)
 
     async def json_body(request: Request) -> dict:
         runtime.require_ready()
-        return parse_json(await read_body(request, options.max_body_bytes))
+        runtime.limiter.admit(tenant_of(request))
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        return parse_json(body)
 
     @app.post("/v1/chat/completions", openapi_extra=schemas.body(schemas.CHAT))
     async def chat(request: Request) -> Response:
         arrived = time.monotonic()
         req = parse_chat(await json_body(request), runtime.limits)
-        call = await start_chat(req, arrived, "chatcmpl-")
+        call = await start_chat(req, arrived, "chatcmpl-", request)
         return await respond(call, request, stream, None)
 
     @app.post("/v1/messages", openapi_extra=schemas.body(schemas.MESSAGES))
     async def messages(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_chat(anthropic.to_chat_body(await json_body(request)), runtime.limits)
-        call = await start_chat(req, arrived, "msg_")
+        body = anthropic.to_chat_body(await json_body(request))
+        req = parse_chat(body, runtime.limits, anthropic.NAMES)
+        call = await start_chat(req, arrived, "msg_", request)
         return await respond(call, request, anthropic.stream, anthropic.message)
 
     @app.post("/v1/responses", openapi_extra=schemas.body(schemas.RESPONSES))
     async def responses(request: Request) -> Response:
         arrived = time.monotonic()
         body = await json_body(request)
-        req = parse_chat(openai_responses.to_chat_body(body), runtime.limits)
-        call = await start_chat(req, arrived, "resp_")
+        chat_body = openai_responses.to_chat_body(body)
+        req = parse_chat(chat_body, runtime.limits, openai_responses.NAMES)
+        call = await start_chat(req, arrived, "resp_", request)
         call.api = openai_responses.echo_fields(body)  # what the response object repeats
         return await respond(call, request, openai_responses.stream, openai_responses.response)
 
@@ -173,14 +223,17 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         arrived = time.monotonic()
         req = parse_completion(await json_body(request), runtime.limits)
         llm = runtime.llm
+        tenant = tenant_of(request)
         prompts = await run_in_threadpool(
             lambda: [llm.encode(p) if isinstance(p, str) else p for p in req.prompts]
         )
         fitted = [fit(req, len(ids), runtime.limits) for ids in prompts]
+        runtime.limiter.charge_prompt(tenant, sum(len(p) for p in prompts), "prompt")
+        partition = (tenant.name, req.cache_salt)
         tickets = []
         try:
             for k, (ids, settings) in enumerate(zip(prompts, fitted)):
-                tickets.append((runtime.submit(ids, settings, req.n), k * req.n))
+                tickets.append((runtime.submit(ids, settings, req.n, (), partition), k * req.n))
         except APIError:
             for t, _ in tickets:
                 t.cancel()
@@ -192,7 +245,7 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         call = Call(
             runtime, False, f"cmpl-{uuid.uuid4().hex}", req.model, req,
             llm.default_settings(fitted[0]), tickets, sum(len(p) for p in prompts), echo=echo,
-            started=arrived,
+            started=arrived, tenant=tenant,
         )  # fmt: skip
         return await respond(call, request, stream, None)
 
@@ -202,8 +255,8 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(CatchAll)
-    if options.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    if runtime.keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, keys=runtime.keys)
     app.add_middleware(
         HostGuard, bound=options.host, allowed_hosts=options.allowed_hosts,
         cors=options.cors_origins,
@@ -262,6 +315,7 @@ class CatchAll:
     Starlette's own last-resort handler re-raises after answering, and uvicorn then closes
     the connection; here the exception ends at the answer, so a keep-alive client keeps its
     connection. If the response had already started, nothing more can be sent: logged only.
+    A client that went away is no error: one info line, no traceback.
     """
 
     def __init__(self, app: Callable) -> None:
@@ -280,6 +334,9 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, watched)
+        except ClientDisconnect:
+            client = (scope.get("client") or ("?",))[0]
+            log.info("%s went away during %s", client, scope["path"][:100])
         except Exception:  # noqa: BLE001 (the last line of defence: log, answer 500)
             log.exception("unexpected error while serving %s", scope["path"][:100])
             if not started:
@@ -300,7 +357,11 @@ class CountRequests:
 
         async def counted(message: dict) -> None:
             if message["type"] == "http.response.start":
-                self.runtime.metrics.request(route, message["status"])
+                tenant = scope.get(TENANT)  # set once the key was checked
+                name = tenant.name if tenant is not None else None
+                if name is None and not self.runtime.keys.enabled and route.startswith("/v1/"):
+                    name = self.runtime.keys.default.name
+                self.runtime.metrics.request(route, message["status"], name)
             await send(message)
 
         await self.app(scope, receive, counted)

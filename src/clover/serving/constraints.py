@@ -28,7 +28,8 @@ import torch
 
 from clover.serving.json_grammar import JsonGrammar, State
 
-MASK_CACHE = 256  # full-vocabulary masks kept per vocabulary (keyed by rule state)
+MASK_CACHE = 64  # candidate sets kept per vocabulary (keyed by rule state), ~1 MB at most each
+NEED_CAP = 2**31 - 1  # needs past any context length are all alike
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -71,11 +72,11 @@ class JsonRule(TextRule):
         return None if state is None else JsonRule(self.grammar, state)
 
     def need(self) -> int:
-        return len(self.grammar.completion(self.state))
+        return self.grammar.need(self.state)
 
     @property
     def closed(self) -> bool:
-        return self.state == ()
+        return self.grammar.done(self.state)
 
     def key(self) -> Any:
         return (self.grammar, self.state)
@@ -243,7 +244,8 @@ class Vocab:
             if s and s not in self.by_text:
                 self.by_text[s] = i
         self.longest = max((len(s) for s in self.by_text), default=1)
-        self.masks: OrderedDict[Any, list[tuple[int, int]]] = OrderedDict()
+        # rule state -> (tokens the rule accepts [n] int32, what it needs after each [n] int32)
+        self.masks: OrderedDict[Any, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, eos_ids: list[int]) -> Vocab:
@@ -286,33 +288,33 @@ class TokenConstraint:
         return text is not None and self._fits(self.rule.advance(text), room)
 
     def allowed_mask(self, room: int, vocab_size: int) -> torch.Tensor:
-        fits = [(t, n) for t, n in self._candidates() if n == 0 or n + 1 <= room - 1]
-        if not fits:  # no room to finish: head for the end as fast as the text allows
-            candidates = self._candidates()
-            least = min((n for _, n in candidates), default=0)
-            fits = [(t, n) for t, n in candidates if n == least]
+        tokens, needs = self._candidates()
+        fits = (needs == 0) | (needs + 2 <= room)
+        if not bool(fits.any()) and len(needs):  # no room: head for the end as fast as it can
+            fits = needs == needs.min()
+        chosen = tokens[fits]
         mask = torch.zeros(vocab_size, dtype=torch.bool)
-        for token, _ in fits:
-            if token < vocab_size:
-                mask[token] = True
+        mask[chosen[chosen < vocab_size].long()] = True
         if self.rule.need() == 0 or not bool(mask.any()):
             for token in self.vocab.eos:
                 if token < vocab_size:
                     mask[token] = True
         return mask
 
-    def _candidates(self) -> list[tuple[int, int]]:
-        """(token, what the rule needs after it) for every token the rule accepts."""
+    def _candidates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens the rule accepts and what the rule needs after each: ([n], [n])."""
         key, cache = self.rule.key(), self.vocab.masks
         if key is not None and key in cache:
             cache.move_to_end(key)
             return cache[key]
-        found = []
+        tokens, needs = [], []
         for token, text in enumerate(self.vocab.strings):
             if text is not None:
                 nxt = self.rule.advance(text)
                 if nxt is not None:
-                    found.append((token, nxt.need()))
+                    tokens.append(token)
+                    needs.append(min(nxt.need(), NEED_CAP))
+        found = (torch.tensor(tokens, dtype=torch.int32), torch.tensor(needs, dtype=torch.int32))
         if key is not None:
             cache[key] = found
             if len(cache) > MASK_CACHE:

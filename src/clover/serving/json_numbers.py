@@ -19,7 +19,10 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from clover.errors import CloverError
+
 MAX_FRACTION_DIGITS = 30
+MAX_MAGNITUDE = 10**309  # past every finite double: longer bounds are refused, not typed
 
 
 @dataclass(frozen=True)
@@ -187,4 +190,9 @@ def _bound(schema: dict, inclusive: str, exclusive: str, tighter: object) -> tup
 
 def _exact(value: object) -> Fraction:
     # the JSON text of the bound, not its binary float: 0.1 means 1/10
-    return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CloverError("minimum / maximum must be finite numbers")
+    exact = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+    if abs(exact) >= MAX_MAGNITUDE:
+        raise CloverError("minimum / maximum beyond 1e309 are not supported")
+    return exact

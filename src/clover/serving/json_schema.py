@@ -12,11 +12,17 @@ trivially true `uniqueItems: false`, `minProperties` / `maxProperties` that the 
 keys always meet. Annotations (`title`, `description`, `default`, `examples`, `format`, ...)
 assert nothing under JSON Schema's own rules and are ignored. Everything else (`pattern`,
 `multipleOf`, `not`, `if`, `patternProperties`, `prefixItems`, ...) is refused.
+
+A schema's numbers never become text here: `minLength: 10**9` is an int in a node, checked
+by a counter as the answer is typed (`json_grammar`). What compiling may cost is bounded
+instead by a `Budget`: subschemas, property names and enum values together, nesting depth,
+and seconds; past any of them the schema is refused with a message that says which.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from clover.errors import CloverError
@@ -37,6 +43,28 @@ FIRST = {  # the characters a value of each type may start with
     "object": "{", "array": "[", "string": '"', "number": "-0123456789",
     "integer": "-0123456789", "boolean": "tf", "null": "n",
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What compiling one schema may cost. `size` counts subschemas, property names, required
+    names and enum values; `depth` the nesting of subschemas (`$ref` included)."""
+
+    size: int = 20_000
+    depth: int = 64
+    seconds: float = 2.0
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.seconds
+
+
+class OverBudget(CloverError):
+    """The schema is too large (`code` "schema_too_large") or took too long to compile
+    ("schema_timeout")."""
+
+    def __init__(self, message: str, code: str = "schema_too_large") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -73,13 +101,39 @@ def compact(value: object) -> str:
 class SchemaCompiler:
     """Fills `nodes` (node 0 is ANY) from a root schema; `compile` returns the root's id."""
 
-    def __init__(self, root: object) -> None:
+    def __init__(self, root: object, budget: Budget | None = None) -> None:
         self.root = root
+        self.budget = budget or Budget()
+        self.deadline = self.budget.deadline()
         self.nodes: list[Node] = [Node(frozenset(TYPES))]
         self.refs: dict[str, int] = {}
         self.enums: list[tuple[int, str]] = []  # nodes whose enum the grammar filters
+        self.size = 0
+        self.depth = 0
+
+    def spend(self, items: int = 0) -> None:
+        """Count `items` against the size budget and check the clock."""
+        self.size += items
+        if self.size > self.budget.size:
+            raise OverBudget(
+                f"the schema is too large: more than {self.budget.size} subschemas, property "
+                "names and enum values together"
+            )
+        if time.monotonic() > self.deadline:
+            seconds = f"{self.budget.seconds:g}"
+            raise OverBudget(f"the schema took over {seconds} s to compile", "schema_timeout")
 
     def compile(self, schema: object, where: str) -> int:
+        if self.depth >= self.budget.depth:
+            raise OverBudget(f"{where}: subschemas nested more than {self.budget.depth} deep")
+        self.depth += 1
+        try:
+            return self._compile(schema, where)
+        finally:
+            self.depth -= 1
+
+    def _compile(self, schema: object, where: str) -> int:
+        self.spend(1)
         if schema is True or schema == {}:
             return ANY
         if schema is False:
@@ -145,18 +199,26 @@ class SchemaCompiler:
         return len(self.nodes) - 1
 
     def _fill(self, node: Node, schema: dict, where: str, nid: int) -> None:
+        active = {k for k in schema if k in KEYWORDS}
         kind = schema.get("type")
         if kind is not None:
             kinds = [kind] if isinstance(kind, str) else kind
             if not isinstance(kinds, list) or not kinds or any(k not in TYPES for k in kinds):
                 raise CloverError(f"{where}.type must be one or a list of: {', '.join(TYPES)}")
             node.types = frozenset(kinds) | ({"integer"} if "number" in kinds else set())
-        values = [schema["const"]] if "const" in schema else schema.get("enum")
+        values = schema.get("enum")
+        if values is not None and (not isinstance(values, list) or not values):
+            raise CloverError(f"{where}.enum must be a non-empty list")
+        if "const" in schema:
+            const = compact(schema["const"])
+            if values is not None and const not in {compact(v) for v in values}:
+                raise CloverError(f"{where}: const is not one of its enum's values")
+            values = [schema["const"]]
         if values is not None:
-            if not isinstance(values, list) or not values:
-                raise CloverError(f"{where}.enum must be a non-empty list")
+            self.spend(len(values))
             node.enum = tuple(dict.fromkeys(compact(v) for v in values))
-            self.enums.append((nid, where))
+            if active - {"enum", "const"}:  # other keywords may reject some values
+                self.enums.append((nid, where))
         self._object(node, schema, where)
         self._array(node, schema, where)
         node.min_length = _count(schema, "minLength", where) or 0
@@ -174,6 +236,7 @@ class SchemaCompiler:
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
             raise CloverError(f"{where}.required must be a list of strings")
+        self.spend(len(required) + len(props or ()))
         extra = schema.get("additionalProperties", True)
         if extra is not True and not isinstance(extra, dict) and extra is not False:
             raise CloverError(f"{where}.additionalProperties must be a schema or a boolean")

@@ -6,6 +6,11 @@ there too, but a lock keeps them consistent if a handler ever runs elsewhere. Ga
 scheduler's own counters (forward passes, queue depth, running rows, the prefix cache's
 size, hits and evictions) are read at scrape time from the scheduler, which is their single
 source of truth.
+
+By tenant (`tenants.py`): requests by status, prompt / generated / cached tokens, and refusals
+by the rate limits. Every tenant that holds a key is listed from the start (zeros until it
+calls); the names come from the operator's keys file, never from a request. Beside them, the
+socket guard's counts: connections closed for being slow and refused past the per-client cap.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 PREFIX_CACHE_METRICS = (  # keys of `PrefixCache.report()`; all 0 when the cache is off
@@ -65,10 +70,15 @@ class Metrics:
         self.tpf = Histogram(TPF_BUCKETS)
         # self_spec: draft tokens by source (lookup, drafter, store, mask): drafted, kept
         self.drafts: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.tenant_requests: defaultdict[tuple[str, int], int] = defaultdict(int)
+        # tenant -> [prompt, completion, cached] tokens
+        self.tenant_tokens: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
 
-    def request(self, route: str, status: int) -> None:
+    def request(self, route: str, status: int, tenant: str | None = None) -> None:
         with self._lock:
             self.requests[(route, status)] += 1
+            if tenant is not None:
+                self.tenant_requests[(tenant, status)] += 1
 
     def first_token(self, seconds: float) -> None:
         with self._lock:
@@ -81,9 +91,16 @@ class Metrics:
         nfe: int,
         seconds: float,
         drafts: Iterable[dict[str, list[int]]] = (),
+        tenant: str | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         """One request's answers done; `drafts`: each answer's source -> [drafted, kept]."""
         with self._lock:
+            if tenant is not None:
+                counts = self.tenant_tokens[tenant]
+                counts[0] += prompt_tokens
+                counts[1] += completion_tokens
+                counts[2] += cached_tokens
             for answer in drafts:
                 for source, (drafted, kept) in answer.items():
                     self.drafts[source][0] += drafted
@@ -95,8 +112,17 @@ class Metrics:
             if nfe:
                 self.tpf.observe(completion_tokens / nfe)
 
-    def render(self, scheduler: object | None, loaded: bool) -> str:
-        """The whole exposition; `scheduler` is None while the model loads."""
+    def render(
+        self,
+        scheduler: object | None,
+        loaded: bool,
+        tenants: Iterable[str] = (),
+        limited: dict[tuple[str, str], int] | None = None,
+        connections: object | None = None,
+    ) -> str:
+        """The whole exposition; `scheduler` is None while the model loads. `tenants`: the
+        names to list even before they call; `limited`: the rate limiter's refusals by
+        (tenant, "requests" | "tokens"); `connections`: the socket guard's counts."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
@@ -134,6 +160,7 @@ class Metrics:
                     for o, n in zip(("drafted", "kept"), counts)
                 ],
             )
+            self._render_tenants(metric, tenants, limited or {})
         stats = getattr(scheduler, "stats", None)
         gauges = [
             ("clover_model_loaded", int(loaded), "1 once the model is loaded."),
@@ -150,9 +177,53 @@ class Metrics:
         ):
             name = f"clover_scheduler_{field}_total"
             metric(name, "counter", help_, [f"{name} {getattr(stats, field, 0)}"])
+        for name, field_name, help_ in (
+            ("clover_connections_closed_slow_total", "closed_slow",
+             "Connections closed because headers or body came too slowly."),
+            ("clover_connections_refused_total", "refused",
+             "Connections refused past the per-client cap."),
+        ):  # fmt: skip
+            metric(name, "counter", help_, [f"{name} {getattr(connections, field_name, 0)}"])
         prefix = getattr(getattr(scheduler, "batch", None), "prefix", None)
         report = prefix.report() if prefix is not None else {}
         for key, kind, help_ in PREFIX_CACHE_METRICS:
             name = f"clover_prefix_cache_{key}" + ("_total" if kind == "counter" else "")
             metric(name, kind, help_, [f"{name} {report.get(key, 0)}"])
         return "\n".join(lines) + "\n"
+
+    def _render_tenants(
+        self, metric: Callable, tenants: Iterable[str], limited: dict[tuple[str, str], int]
+    ) -> None:
+        names = sorted({*tenants, *self.tenant_tokens, *(t for t, _ in self.tenant_requests)})
+        metric(
+            "clover_tenant_requests_total",
+            "counter",
+            "HTTP requests by tenant and status code.",
+            [
+                f'clover_tenant_requests_total{{tenant="{t}",code="{c}"}} {n}'
+                for (t, c), n in sorted(self.tenant_requests.items())
+            ],
+        )
+        metric(
+            "clover_tenant_tokens_total",
+            "counter",
+            "Tokens by tenant: prompt, completion, and prompt tokens read from the prefix cache.",
+            [
+                f'clover_tenant_tokens_total{{tenant="{t}",kind="{k}"}} {n}'
+                for t in names
+                for k, n in zip(
+                    ("prompt", "completion", "cached"), self.tenant_tokens.get(t, (0, 0, 0))
+                )
+            ],
+        )
+        metric(
+            "clover_tenant_rate_limited_total",
+            "counter",
+            "Requests refused (429) by a tenant's rate limits, by limit.",
+            [
+                f'clover_tenant_rate_limited_total{{tenant="{t}",limit="{k}"}} '
+                f"{limited.get((t, k), 0)}"
+                for t in names
+                for k in ("requests", "tokens")
+            ],
+        )

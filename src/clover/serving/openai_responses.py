@@ -16,11 +16,16 @@ messages, `reasoning` items dropped; flat function tools -> chat tools; `text.fo
 response_format; `reasoning.effort` -> reasoning_effort; `max_output_tokens` -> max_tokens.
 The server stores nothing, so `previous_response_id` and `background` are refused with a 400
 that says to send the whole conversation.
+
+Errors name the Responses API's fields, as its reference spells them: `max_output_tokens`,
+`text.format`, `input[2].content`, `tools[0].name`, the `{type: function, name}` tool_choice
+(`NAMES` for the fields that `protocol.parse_chat` checks after the translation).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -28,13 +33,20 @@ from typing import Any
 
 from clover.engine import Completion
 from clover.serving.errors import APIError, bad_request
+from clover.serving.protocol import Names
 from clover.serving.responses import KEEPALIVE, Blocks, Call, pieces
 
 PASS_THROUGH = (
     "model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k",
-    "decoder", "block_size", "threshold", "draft", "slide", "refine_steps",
-    "parse_special_tokens", "chat_template_kwargs", "user",
+    "decoder", "block_size", "threshold", "draft", "slide", "refine_steps", "tree",
+    "parse_special_tokens", "chat_template_kwargs", "user", "cache_salt",
 )  # fmt: skip
+NAMES = Names(
+    max_tokens="max_output_tokens", messages="input", tool="tools[{}]", schema="parameters",
+    named_choice="{type: function, name}", response_format="text.format",
+    response_schema="text.format.schema", thinking="reasoning.effort", effort="reasoning.effort",
+)  # fmt: skip
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ECHOED = (
     "instructions", "max_output_tokens", "metadata", "previous_response_id", "temperature",
     "top_p", "tool_choice", "tools", "parallel_tool_calls", "user",
@@ -91,23 +103,25 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def _item(item: object, where: str, messages: list[dict[str, Any]]) -> None:
     if not isinstance(item, dict):
-        raise bad_request(f"{where} must be an object", "input")
+        raise bad_request(f"{where} must be an object", where)
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise bad_request(f"{where}.role must be user, assistant, system or developer", "input")
+            raise bad_request(f"{where}.role must be user, assistant, system or developer",
+                              f"{where}.role")  # fmt: skip
         content = item.get("content")
         if isinstance(content, list):
             content = "\n".join(_part(p, f"{where}.content[{k}]") for k, p in enumerate(content))
         elif not isinstance(content, str):
-            raise bad_request(f"{where}.content must be a string or a list of parts", "input")
+            raise bad_request(f"{where}.content must be a string or a list of parts",
+                              f"{where}.content")  # fmt: skip
         messages.append({"role": role, "content": content})
     elif kind == "function_call":
         call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
         if not all(isinstance(v, str) for v in (call_id, name, args)):
             raise bad_request(f"{where}: function_call needs call_id, name and arguments "
-                              "(a JSON string)", "input")  # fmt: skip
+                              "(a JSON string)", where)  # fmt: skip
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -119,20 +133,22 @@ def _item(item: object, where: str, messages: list[dict[str, Any]]) -> None:
         if isinstance(output, list):
             output = "\n".join(_part(p, f"{where}.output") for p in output)
         if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-            raise bad_request(f"{where}: function_call_output needs call_id and output", "input")
+            raise bad_request(f"{where}: function_call_output needs call_id and output", where)
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
     elif kind != "reasoning":  # past reasoning is not replayed
-        raise bad_request(f"{where}: input items of type {kind!r:.40} are not supported", "input")
+        raise bad_request(f"{where}: input items of type {kind!r:.40} are not supported",
+                          f"{where}.type")  # fmt: skip
 
 
 def _part(part: object, where: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-        raise bad_request(f"{where}: only text parts are supported, got {kind!r:.40}", "input")
+        raise bad_request(f"{where}: only text parts are supported, got {kind!r:.40}", where)
     return part["text"]
 
 
 def _tools(tools: object) -> list[dict[str, Any]]:
+    """Flat function tools -> chat tools (names and schemas checked by `parse_chat`)."""
     if not isinstance(tools, list):
         raise bad_request("tools must be a list", "tools")
     out = []
@@ -140,17 +156,19 @@ def _tools(tools: object) -> list[dict[str, Any]]:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported, got {kind!r:.40}",
-                              "tools")  # fmt: skip
+                              f"tools[{i}].type")  # fmt: skip
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
 
 
 def _tool_choice(choice: object) -> Any:
-    if isinstance(choice, str):
+    if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice of type function needs a name", "tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be auto, none, required or {type: function, name}",
                       "tool_choice")  # fmt: skip
 
@@ -158,20 +176,25 @@ def _tool_choice(choice: object) -> Any:
 def _text_format(text: object) -> dict[str, Any] | None:
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise bad_request("text must be an object", "text")
+    fmt = text.get("format")
     if fmt is None:
-        if not isinstance(text, dict):
-            raise bad_request("text must be an object", "text")
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
-        return {
-            "type": "json_schema",
-            "json_schema": {"name": fmt.get("name", "answer"), "schema": fmt.get("schema")},
-        }
-    raise bad_request("text.format.type must be text, json_object or json_schema", "text")
+        name = fmt.get("name")
+        if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+            raise bad_request("text.format.name must match [A-Za-z0-9_-]{1,64}",
+                              "text.format.name")  # fmt: skip
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format.schema must be a JSON schema object",
+                              "text.format.schema")  # fmt: skip
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": fmt["schema"]}}
+    raise bad_request("text.format.type must be text, json_object or json_schema",
+                      "text.format.type")  # fmt: skip
 
 
 def echo_fields(body: dict[str, Any]) -> dict[str, Any]:

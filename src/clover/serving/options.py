@@ -9,6 +9,7 @@ from clover.checkpoints import DEFAULT_MODEL, KNOWN_MODELS, device_dtype, resolv
 from clover.decoding.policies import DECODERS, DRAFTS
 from clover.decoding.store import is_saved_store
 from clover.errors import CloverError
+from clover.serving.tenants import read_keys_file
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,13 @@ class ServeOptions:
     store_save_every: float = 60.0  # seconds between writes of store_save (while it changed)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None  # one key, of the tenant "default"
+    keys_file: str | None = None  # KEY TENANT [rpm=N] [tpm=N] lines (tenants.py); SIGHUP reloads
+    rate_limit_rpm: int | None = None  # requests a minute per tenant, unless its keys say
+    rate_limit_tpm: int | None = None  # tokens (prompt + generated) a minute per tenant
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive
+    body_timeout: float = 60.0  # seconds for a request's body, after its headers
+    max_connections_per_client: int = 64  # open connections per client address (0: any)
     served_model_name: str | None = None  # what clients put in "model"; default: the model's
     max_running: int = 8  # rows decoded together in one forward pass
     max_queue: int = 64  # requests waiting beyond those; more get 503
@@ -55,6 +62,17 @@ class ServeOptions:
                 "--api-key (or $CLOVER_API_KEY) is empty, perhaps an unset shell variable: "
                 "give a non-empty key, or leave both out to serve without one"
             )
+        if self.keys_file is not None:
+            if not read_keys_file(self.keys_file, None, None) and self.api_key is None:
+                raise CloverError(f"--keys-file {self.keys_file} holds no key")
+        for name in ("rate_limit_rpm", "rate_limit_tpm"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
+        if not (self.header_timeout > 0 and self.body_timeout > 0):
+            raise CloverError("--header-timeout and --body-timeout must be > 0 seconds")
+        if self.max_connections_per_client < 0:
+            raise CloverError("--max-connections-per-client must be >= 0 (0: no cap)")
         if self.max_running < 1 or self.max_queue < 0:
             raise CloverError("--max-running must be >= 1 and --max-queue >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:

@@ -8,9 +8,16 @@ penalties, the legacy `functions`) is refused with 400 rather than silently drop
 that ignored the request would look valid and be wrong.
 
 Agent features checked here: `tools` / `tool_choice` / `parallel_tool_calls` (`tools.py`),
-`response_format` (json_object, or json_schema with the schema subset of `json_grammar.py`;
-the schema is compiled here so a bad one is a 400), and the thinking budget:
-`max_thinking_tokens`, or `reasoning_effort` mapped through `EFFORT_BUDGETS`.
+`response_format` (json_object, or json_schema with the schema subset of `json_grammar.py`),
+and the thinking budget: `max_thinking_tokens`, or `reasoning_effort` mapped through
+`EFFORT_BUDGETS`. Schemas are only collected here (`ChatRequest.schemas`, by the field that
+holds them): compiling one may take a while, so the handler does it in a worker thread
+(`grammars.Grammars`), and a bad one is still a 400 that names its field.
+
+The Anthropic and Responses bodies are translated into chat bodies and checked here too, with
+`Names` saying how their API spells the fields an error may name (`max_output_tokens`,
+`tools[0].input_schema`, ...): a client reads its own field names in every message.
+`cache_salt` (vLLM's name) isolates a request's prefix-cache reuse further than its tenant.
 """
 
 from __future__ import annotations
@@ -23,9 +30,7 @@ from typing import Any
 
 from clover.decoding.policies import DECODERS, DRAFTS
 from clover.engine import GenerationSettings
-from clover.errors import CloverError
 from clover.serving.errors import APIError, bad_request
-from clover.serving.json_grammar import JsonGrammar
 
 MAX_N = 16  # choices per request (and prompts per completion request)
 MAX_STOPS = 16
@@ -47,6 +52,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # reasoning_effort -> thinking tokens; "minimal"/"none" close the thought at once
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": 4096}
 MAX_TOOLS = 128
+MAX_SALT = 256  # characters of a cache_salt
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,27 @@ class Limits:
     context_length: int
     vocab_size: int
     defaults: GenerationSettings  # server defaults: decoder, block_size, threshold, max_tokens
+    capacity: int = 2**31  # requests the server holds at once (--max-running + --max-queue)
+
+
+@dataclass(frozen=True)
+class Names:
+    """How an API spells the chat fields that validation may blame. `tool` is a format
+    string of one tool's object (its index), `schema` the field of its JSON schema there."""
+
+    max_tokens: str = "max_tokens"
+    messages: str = "messages"
+    tool: str = "tools[{}].function"
+    schema: str = "parameters"
+    tool_choice: str = "tool_choice"
+    named_choice: str = "{type: function, function: {name}}"
+    response_format: str = "response_format"
+    response_schema: str = "response_format.json_schema.schema"
+    thinking: str = "max_thinking_tokens"
+    effort: str = "reasoning_effort"
+
+
+CHAT_NAMES = Names()
 
 
 @dataclass
@@ -68,6 +95,7 @@ class Request:
     stream: bool
     include_usage: bool
     commits: bool  # stream the diffusion's commits too (the web page asks for them)
+    cache_salt: str | None  # prefix-cache reuse only among requests with the same salt
 
 
 @dataclass
@@ -77,7 +105,12 @@ class ChatRequest(Request):
     tools: list[dict[str, Any]] = field(default_factory=list)  # {"type": "function", ...}
     tool_choice: str = "auto"  # auto | none | required | the name of a function
     parallel_tool_calls: bool = True
-    json_grammar: JsonGrammar | None = None  # response_format json_object / json_schema
+    # every JSON schema of the request, by the field that holds it (as its API spells it):
+    # compiled before the request runs, so a bad tool schema is refused even if unused
+    schemas: dict[str, Any] = field(default_factory=dict)
+    answer_schema: str | None = None  # the key in `schemas` the answer must follow
+    tool_schemas: dict[str, str] = field(default_factory=dict)  # tool name -> key in schemas
+    names: Names = CHAT_NAMES
     thinking_budget: int | None = None
     # special-token text inside messages (e.g. "<|im_start|>") becomes control tokens only
     # when a request opts in; by default it is encoded as the plain text it is
@@ -130,8 +163,9 @@ def _check_text(body: object) -> None:
             )
 
 
-def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
-    messages = _messages(body.get("messages"))
+def parse_chat(body: dict[str, Any], limits: Limits, names: Names = CHAT_NAMES) -> ChatRequest:
+    """A chat body (or one translated from another API, whose fields `names` spells)."""
+    messages = _messages(body.get("messages"), names.messages)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
@@ -146,26 +180,27 @@ def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
     for name in ("functions", "function_call"):
         if body.get(name):
             raise bad_request(f"{name} is the legacy form: use tools / tool_choice", name)
-    tools = _tools(body.get("tools"))
-    choice = _tool_choice(body.get("tool_choice"), tools)
+    schemas: dict[str, Any] = {}
+    tools, tool_schemas = _tools(body.get("tools"), names, schemas)
+    choice = _tool_choice(body.get("tool_choice"), tools, names)
     parallel = _bool(body, "parallel_tool_calls", True)
-    grammar = _response_format(body.get("response_format"))
-    if grammar is not None and choice in ("required",) + tuple(
-        t["function"]["name"] for t in tools
-    ):
+    answer = _response_format(body.get("response_format"), names, schemas)
+    if answer is not None and choice in ("required",) + tuple(t["function"]["name"] for t in tools):
         raise bad_request(
-            "response_format cannot be combined with a forced tool call", "tool_choice"
+            f"{names.response_format} cannot be combined with a forced tool call",
+            names.tool_choice,
         )
     if body.get("top_logprobs"):
         raise _unsupported("top_logprobs")
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+        max_tokens = _int(body, "max_tokens", 1, param=names.max_tokens)
     return ChatRequest(
-        **_common(body, limits, max_tokens), messages=messages, template_kwargs=kwargs,
+        **_common(body, limits, max_tokens, names), messages=messages, template_kwargs=kwargs,
         tools=tools if choice != "none" else [], tool_choice=choice,
-        parallel_tool_calls=parallel, json_grammar=grammar,
-        thinking_budget=_thinking_budget(body, limits.context_length),
+        parallel_tool_calls=parallel, schemas=schemas, answer_schema=answer,
+        tool_schemas=tool_schemas, names=names,
+        thinking_budget=_thinking_budget(body, limits.context_length, names),
         parse_special=_bool(body, "parse_special_tokens", False),
     )  # fmt: skip
 
@@ -178,16 +213,26 @@ def parse_completion(body: dict[str, Any], limits: Limits) -> CompletionRequest:
     if best_of not in (None, 1):
         raise _unsupported("best_of")
     echo = _bool(body, "echo", False)
-    common = _common(body, limits, _int(body, "max_tokens", 1))
+    common = _common(body, limits, _int(body, "max_tokens", 1), CHAT_NAMES)
     if len(prompts) * common["n"] > MAX_N:
         raise bad_request(f"prompts x n must be at most {MAX_N}", "n")
+    if len(prompts) > limits.capacity:  # each prompt takes a place: this could never fit
+        raise bad_request(
+            f"the request holds {len(prompts)} prompts; this server holds at most "
+            f"{limits.capacity} requests at once (running + queued): send fewer prompts "
+            "per request",
+            "prompt",
+            "exceeds_capacity",
+        )
     return CompletionRequest(**common, prompts=prompts, echo=echo)
 
 
 def fit(request: Request, prompt_len: int, limits: Limits) -> GenerationSettings:
     """The request's settings with max_tokens resolved against what the context leaves."""
     room = limits.context_length - prompt_len
-    where = "messages" if isinstance(request, ChatRequest) else "prompt"
+    chat = isinstance(request, ChatRequest)
+    where = request.names.messages if chat else "prompt"
+    max_name = request.names.max_tokens if chat else "max_tokens"
     if room < 1:
         raise bad_request(
             f"the prompt has {prompt_len} tokens; this model's context is "
@@ -200,8 +245,8 @@ def fit(request: Request, prompt_len: int, limits: Limits) -> GenerationSettings
     elif request.max_tokens > room:
         raise bad_request(
             f"this model's context is {limits.context_length} tokens; the prompt has "
-            f"{prompt_len} and max_tokens asks for {request.max_tokens} more",
-            "max_tokens",
+            f"{prompt_len} and {max_name} asks for {request.max_tokens} more",
+            max_name,
             "context_length_exceeded",
         )
     else:
@@ -212,7 +257,9 @@ def fit(request: Request, prompt_len: int, limits: Limits) -> GenerationSettings
 # --- shared fields --------------------------------------------------------------------------
 
 
-def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dict[str, Any]:
+def _common(
+    body: dict[str, Any], limits: Limits, max_tokens: int | None, names: Names
+) -> dict[str, Any]:
     model = body.get("model", limits.model_names[0])
     if not isinstance(model, str):
         raise _type("model", "a string", model)
@@ -225,8 +272,8 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         )
     if max_tokens is not None and max_tokens > limits.context_length:
         raise bad_request(
-            f"max_tokens must be at most the context length, {limits.context_length}",
-            "max_tokens",
+            f"{names.max_tokens} must be at most the context length, {limits.context_length}",
+            names.max_tokens,
             "context_length_exceeded",
         )
     for name in ("frequency_penalty", "presence_penalty"):
@@ -278,14 +325,26 @@ def _common(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> dic
         stream=stream,
         include_usage=include_usage,
         commits=_bool(body, "clover_commits", False),
+        cache_salt=_salt(body.get("cache_salt")),
     )
 
 
-def _messages(messages: object) -> list[dict[str, Any]]:
+def _salt(salt: object) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_SALT:
+        raise bad_request(
+            f"cache_salt must be a non-empty string of at most {MAX_SALT} characters",
+            "cache_salt",
+        )
+    return salt
+
+
+def _messages(messages: object, name: str = "messages") -> list[dict[str, Any]]:
     if not isinstance(messages, list):
-        raise _type("messages", "a list of messages", messages)
+        raise _type(name, "a list of messages", messages)
     if not messages:
-        raise bad_request("messages must not be empty", "messages")
+        raise bad_request(f"{name} must not be empty", name)
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -334,95 +393,92 @@ def _past_calls(calls: object, where: str) -> list[dict[str, str]]:
     return out
 
 
-def _tools(tools: object) -> list[dict[str, Any]]:
+def _tools(
+    tools: object, names: Names, schemas: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Checked tools, and each one's schema field (their schemas go into `schemas`)."""
     if tools is None:
-        return []
+        return [], {}
     if not isinstance(tools, list):
         raise _type("tools", "a list", tools)
     if len(tools) > MAX_TOOLS:
         raise bad_request(f"at most {MAX_TOOLS} tools", "tools")
-    out, names = [], set()
+    out, fields = [], {}
     for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
+        where = names.tool.format(i)
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"{where} must be {{type: function, function: {{...}}}}", "tools")
+            raise bad_request(f"tools[{i}] must be {{type: function, function: {{...}}}}",
+                              f"tools[{i}]")  # fmt: skip
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise bad_request(f"{where}.function must be an object, got {_json_type(fn)}", "tools")
+            raise bad_request(f"{where} must be an object, got {_json_type(fn)}", where)
         name = fn.get("name")
         if not isinstance(name, str) or not _FUNCTION.fullmatch(name):
-            raise bad_request(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
-        if name in names:
-            raise bad_request(f"{where}: two tools are named {name!r}", "tools")
-        names.add(name)
+            raise bad_request(f"{where}.name must match [A-Za-z0-9_-]{{1,64}}", f"{where}.name")
+        if name in fields:
+            raise bad_request(f"{where}.name: two tools are named {name!r}", f"{where}.name")
         params = fn.get("parameters")
-        if params is not None:
-            if not isinstance(params, dict):
-                raise bad_request(f"{where}.function.parameters must be a JSON schema", "tools")
-            _compile_schema(params, f"{where}.function.parameters", "tools")
+        field_name = f"{where}.{names.schema}"
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"{field_name} must be a JSON schema object", field_name)
         clean = {"name": name}
         if isinstance(fn.get("description"), str):
             clean["description"] = fn["description"]
         clean["parameters"] = params if params is not None else {"type": "object"}
+        schemas[field_name] = clean["parameters"]
+        fields[name] = field_name
         out.append({"type": "function", "function": clean})
-    return out
+    return out, fields
 
 
-def _tool_choice(choice: object, tools: list[dict[str, Any]]) -> str:
+def _tool_choice(choice: object, tools: list[dict[str, Any]], names: Names) -> str:
+    param = names.tool_choice
     if choice is None:
         return "auto" if tools else "none"
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise bad_request(
-                "tool_choice must be auto, none, required or a function", "tool_choice"
-            )
+            raise bad_request(f"{param} must be auto, none, required or a function", param)
         if choice == "required" and not tools:
-            raise bad_request("tool_choice is required but no tools were given", "tool_choice")
+            raise bad_request(f"{param} requires a tool call but no tools were given", param)
         return choice
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise bad_request("tool_choice must be {type: function, function: {name}}", "tool_choice")
+        raise bad_request(f"{param} must be {names.named_choice}", param)
     if name not in {t["function"]["name"] for t in tools}:
-        raise bad_request(f"tool_choice names {name[:64]!r}, which is not in tools", "tool_choice")
+        raise bad_request(f"{param} names {name[:64]!r}, which is not in tools", param)
     return name
 
 
-def _response_format(fmt: object) -> JsonGrammar | None:
+def _response_format(fmt: object, names: Names, schemas: dict[str, Any]) -> str | None:
+    """The key in `schemas` of the schema the answer must follow, if any."""
+    param = names.response_format
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise _type("response_format", "an object", fmt)
+        raise _type(param, "an object", fmt)
     kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return JsonGrammar({"type": "object"})
+        schemas[param] = {"type": "object"}
+        return param
     if kind != "json_schema":
-        raise bad_request("response_format.type must be text, json_object or json_schema",
-                          "response_format")  # fmt: skip
+        raise bad_request(f"{param}.type must be text, json_object or json_schema", param)
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise bad_request("response_format.json_schema must be {name, schema}", "response_format")
-    return _compile_schema(spec.get("schema", {}), "json_schema.schema", "response_format")
+        raise bad_request(f"{param}.json_schema must be {{name, schema}}", param)
+    schemas[names.response_schema] = spec.get("schema", {})
+    return names.response_schema
 
 
-def _compile_schema(schema: dict, where: str, param: str) -> JsonGrammar:
-    try:
-        return JsonGrammar(schema)
-    except CloverError as e:
-        raise bad_request(f"{where}: {e}", param) from None
-    except RecursionError:
-        raise bad_request(f"{where}: the schema is nested too deeply", param) from None
-
-
-def _thinking_budget(body: dict, context: int) -> int | None:
-    budget = _int(body, "max_thinking_tokens", 0, context)
+def _thinking_budget(body: dict, context: int, names: Names) -> int | None:
+    budget = _int(body, "max_thinking_tokens", 0, context, param=names.thinking)
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in EFFORT_BUDGETS:
             raise bad_request(
-                f"reasoning_effort must be one of: {', '.join(EFFORT_BUDGETS)}", "reasoning_effort"
+                f"{names.effort} must be one of: {', '.join(EFFORT_BUDGETS)}", names.effort
             )
         if budget is None:
             budget = EFFORT_BUDGETS[effort]
@@ -474,16 +530,20 @@ def _stops(stop: object) -> tuple[str, ...]:
 # --- typed getters: each names its field on failure --------------------------------------
 
 
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(
+    body: dict, name: str, lo: int | None = None, hi: int | None = None, param: str | None = None
+) -> int | None:
+    """An integer field; `param` is how the client's API spells it (default: `name`)."""
     value = body.get(name)
+    param = param or name
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _type(name, "an integer", value)
+        raise _type(param, "an integer", value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise bad_request(f"{name} must be {_range(lo, hi)}, got {value}", name)
+        raise bad_request(f"{param} must be {_range(lo, hi)}, got {value}", param)
     return value
 
 

@@ -43,6 +43,7 @@ from clover.serving.protocol import Request
 from clover.serving.reasoning import ReasoningSplitter, split_reasoning
 from clover.serving.runtime import Runtime, ticket_events
 from clover.serving.scheduler import Ticket
+from clover.serving.tenants import Tenant
 from clover.serving.tools import ToolCallStream, parse_tool_calls
 
 
@@ -65,6 +66,7 @@ class Call:
     completions: list[Completion] = field(default_factory=list)  # once complete() is done
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)  # when the request arrived
+    tenant: Tenant | None = None  # whose answer: /metrics and the token budget count it
 
     @property
     def choices(self) -> int:
@@ -113,7 +115,13 @@ class Call:
         nfe = sum(c.nfe for c in completions)
         seconds = time.monotonic() - self.started
         drafts = [c.drafts for c in completions]
-        self.runtime.metrics.finished(self.prompt_tokens, tokens, nfe, seconds, drafts)
+        cached = self.usage(completions)["prompt_tokens_details"]["cached_tokens"]
+        name = self.tenant.name if self.tenant is not None else None
+        self.runtime.metrics.finished(
+            self.prompt_tokens, tokens, nfe, seconds, drafts, tenant=name, cached_tokens=cached
+        )
+        if self.tenant is not None:
+            self.runtime.limiter.charge(self.tenant, tokens)
 
 
 def _finish_reason(c: Completion) -> str:

@@ -35,12 +35,15 @@ from clover.decoding.policies import make_policy
 from clover.decoding.store import model_store, read_saved, save_learned
 from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
+from clover.serving.connections import ConnectionLimits
 from clover.serving.constraints import Vocab
 from clover.serving.errors import APIError, bad_request, unavailable
+from clover.serving.grammars import Grammars
 from clover.serving.metrics import Metrics
 from clover.serving.options import ServeOptions
 from clover.serving.protocol import Limits
 from clover.serving.scheduler import Overloaded, Scheduler, ShuttingDown, Ticket
+from clover.serving.tenants import KeyRing, RateLimiter
 
 log = logging.getLogger("clover.serve")
 POLL_S = 0.005  # how often a waiting handler looks at its ticket's queue
@@ -69,6 +72,14 @@ class Runtime:
         self.error: str | None = None
         self.draining = False
         self.metrics = Metrics()
+        self.keys = KeyRing(
+            options.api_key, options.keys_file, options.rate_limit_rpm, options.rate_limit_tpm
+        )
+        self.limiter = RateLimiter()
+        self.grammars = Grammars()
+        self.connections = ConnectionLimits(
+            options.header_timeout, options.body_timeout, options.max_connections_per_client
+        )
         self.on_failure: Callable[[], None] | None = None  # the server stops itself
         self.store_keeper: StoreKeeper | None = None
         self._token_text: dict[int, str] = {}
@@ -114,6 +125,7 @@ class Runtime:
                 context_length=llm.model.context_length,
                 vocab_size=llm.tokenizer.vocab_size,
                 defaults=llm.default_settings(defaults),
+                capacity=o.max_running + o.max_queue,
             )
             scheduler.start()
             self.llm, self.scheduler = llm, scheduler  # ready from here on
@@ -152,10 +164,15 @@ class Runtime:
     # --- requests ----------------------------------------------------------------------------
 
     def submit(
-        self, prompt: list[int], settings: GenerationSettings, n: int, marks: tuple = ()
+        self,
+        prompt: list[int],
+        settings: GenerationSettings,
+        n: int,
+        marks: tuple = (),
+        partition: object = None,
     ) -> Ticket:
         try:
-            return self.scheduler.submit(prompt, settings, n, marks)
+            return self.scheduler.submit(prompt, settings, n, marks, partition)
         except Overloaded as e:
             raise unavailable(str(e), "overloaded", retry_after=1) from None
         except ShuttingDown:

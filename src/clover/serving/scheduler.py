@@ -14,7 +14,7 @@ A cancelled request (client gone) leaves the batch before the next step. Shutdow
 admitting, lets running rows finish (or cancels them after a grace period, telling their
 clients) and exits. The batch uses the model's prefix cache across requests
 (`LLM.prefix_cache`): a request reuses the longest prefix that earlier or running requests
-committed.
+of its partition (its tenant and cache salt) committed.
 
 `deterministic`: one row decodes at a time (a request's choices one after another), so an
 answer never depends on what else runs. Batched int4/bf16 kernels round by batch shape, so in
@@ -55,6 +55,7 @@ class Ticket:
     settings: GenerationSettings
     n: int
     marks: tuple[int, ...] = ()  # prefix-cache snapshot positions (`LLM.chat_marks`)
+    partition: object = None  # the prefix-cache partition (tenant, cache salt)
     events: queue.Queue = field(default_factory=queue.Queue)
     created: float = field(default_factory=time.monotonic)
     cancelled: bool = False
@@ -103,7 +104,12 @@ class Scheduler:
         self._thread.start()
 
     def submit(
-        self, prompt: list[int], settings: GenerationSettings, n: int = 1, marks: tuple = ()
+        self,
+        prompt: list[int],
+        settings: GenerationSettings,
+        n: int = 1,
+        marks: tuple = (),
+        partition: object = None,
     ) -> Ticket:
         s = self.llm.default_settings(settings)
         s.policy()  # validate now
@@ -117,7 +123,7 @@ class Scheduler:
                 raise Overloaded(
                     f"server busy: {self.running_rows} running, {len(self.waiting)} queued"
                 )
-            ticket = Ticket(next(self._ids), prompt, s, n, tuple(marks))
+            ticket = Ticket(next(self._ids), prompt, s, n, tuple(marks), partition)
             self.waiting.append(ticket)
             self.stats.requests += 1
             self._lock.notify()
@@ -206,6 +212,7 @@ class Scheduler:
                     seed_index=choice,
                     constraint=s.constraint() if s.constraint is not None else None,
                     marks=t.marks,
+                    partition=t.partition,
                 )
                 row.t_start = time.monotonic()
                 t.rows[row.index] = (choice, text, row)

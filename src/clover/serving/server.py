@@ -9,23 +9,32 @@ then they are cut), and only then does uvicorn stop. A second signal stops it at
 The URL and a sample `curl` are printed once the socket is bound (so `--port 0` prints the
 real port), before the model has finished loading; `/health` tells when it is ready. A model
 that fails to load stops the server with exit status 1.
+
+SIGHUP reads `--keys-file` again (a file that does not parse is reported and the keys in use
+stay). uvicorn runs with Clover's h11 protocol (`connections.guarded_protocol`): header and body
+timeouts and a cap on connections per client address.
 """
 
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from clover.engine import LLM
+from clover.errors import CloverError
 from clover.serving.app import create_app
+from clover.serving.connections import guarded_protocol
 from clover.serving.options import ServeOptions
+from clover.serving.runtime import Runtime
 
-__all__ = ["ServeOptions", "serve"]
+__all__ = ["ServeOptions", "serve", "uvicorn_config"]
 
 
 class DrainingServer(uvicorn.Server):
@@ -59,21 +68,41 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(options: ServeOptions, loader: Callable[[], LLM] | None = None) -> int:
-    """Serve until stopped; returns the exit status (1 if the model failed to load)."""
-    options.check()
-    app = create_app(options, loader)
-    config = uvicorn.Config(
-        app,
+def uvicorn_config(app: FastAPI, options: ServeOptions, **overrides: object) -> uvicorn.Config:
+    """The app under uvicorn as `clover serve` runs it."""
+    settings = dict(
         host=options.host,
         port=options.port,
         log_level="warning",
         access_log=options.access_log,
         server_header=False,
         timeout_graceful_shutdown=5,  # answers are already drained when uvicorn stops
+        timeout_keep_alive=5,
+        http=guarded_protocol(app.state.runtime.connections),
     )
+    return uvicorn.Config(app, **{**settings, **overrides})
+
+
+def reload_keys(runtime: Runtime) -> None:
+    """SIGHUP: the keys file again; a bad file is reported and the keys in use stay."""
+    try:
+        n = runtime.keys.reload()
+    except CloverError as e:
+        print(f"clover serve: keys not reloaded, the old ones stay: {e}", file=sys.stderr)
+        return
+    print(f"clover serve: {n} keys loaded", file=sys.stderr, flush=True)
+
+
+def serve(options: ServeOptions, loader: Callable[[], LLM] | None = None) -> int:
+    """Serve until stopped; returns the exit status (1 if the model failed to load)."""
+    options.check()
+    app = create_app(options, loader)
+    config = uvicorn_config(app, options)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda _sig, _frame: reload_keys(app.state.runtime))
     server = DrainingServer(config, options)
-    if not options.api_key and options.host not in ("127.0.0.1", "localhost", "::1"):
+    local = options.host in ("127.0.0.1", "localhost", "::1")
+    if not (options.api_key or options.keys_file) and not local:
         print(
             f"warning: serving on {options.host} without --api-key: anyone who can reach "
             "this port can use the model",
@@ -87,7 +116,8 @@ def _banner(options: ServeOptions, host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     body = '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}'
-    auth = ' -H "Authorization: Bearer $CLOVER_API_KEY"' if options.api_key else ""
+    keyed = options.api_key or options.keys_file
+    auth = ' -H "Authorization: Bearer $CLOVER_API_KEY"' if keyed else ""
     return (
         f"clover serve: {options.model} at {url} (loading; {url}/health says when ready)\n"
         f"  web page: {url}/\n"

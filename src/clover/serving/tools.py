@@ -115,9 +115,8 @@ def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
     }
 
 
-def call_rule(tools: list[dict[str, Any]], name: str | None) -> Sequence:
-    """What a forced call must look like, as a decoding rule."""
-    grammar = JsonGrammar(call_schema(tools, name))
+def call_rule(grammar: JsonGrammar) -> Sequence:
+    """What a forced call must look like, as a decoding rule; `grammar` is `call_schema`'s."""
     return Sequence((Literal(OPEN_CALL + "\n"), JsonRule(grammar), Literal("\n" + CLOSE_CALL)))
 
 
