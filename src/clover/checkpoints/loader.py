@@ -266,7 +266,8 @@ def load(
             dtype = auto_dtype(config)
         packed = resolved.kind == "gguf" and dtype == "int4" and kernels.load() is not None
         if packed:
-            pack = packed_weights(resolved, entry, wide, progress)
+            pack = packed_weights(resolved, entry, wide, progress)  # read in the background
+            tokenizer = Tokenizer.from_dir(directory)  # meanwhile
             net = load_packed(pack, resolved.path, {**pack.meta["config"], **_overrides(resolved)})
         else:
             if resolved.kind == "gguf":
@@ -275,7 +276,7 @@ def load(
             else:
                 config, state = read_hf_dir(directory, DTYPES[dtype])
             net = model_from_state(config, state, str(resolved.path), DTYPES[dtype])
-        tokenizer = Tokenizer.from_dir(directory)
+            tokenizer = Tokenizer.from_dir(directory)
         name = resolved.name
         entry = resolved.entry
         if entry is not None and entry.adapter is not None and adapter is None:
