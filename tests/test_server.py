@@ -176,7 +176,8 @@ BAD = [
     ("NaN", "/v1/chat/completions", b'{"messages": [], "temperature": NaN}', 400, None),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("token out of range", "/v1/completions", {"prompt": [99999]}, 400, "prompt"),
-    ("tools", "/v1/chat/completions", {**MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tools", "/v1/chat/completions", {**MSG, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function"),
     ("bad template kwarg", "/v1/chat/completions",
      {**MSG, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     ("no such route", "/v1/embeddings", MSG, 404, None),
@@ -184,7 +185,7 @@ BAD = [
      b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, None),
     ("schema keyword", "/v1/chat/completions", {**MSG, "response_format": {
         "type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a"}}}},
-     400, "response_format"),
+     400, "response_format.json_schema.schema"),
 ]  # fmt: skip
 
 

@@ -186,7 +186,7 @@ def test_anthropic_usage_is_the_same_streamed_or_not(url):
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     ask = dict(model="tiny", max_tokens=6, messages=[{"role": "user", "content": "the quick "
                "brown fox jumps over the lazy dog, twice: the quick brown fox jumps"}],
-               temperature=0.0, extra_body={"decoder": "ar"})  # fmt: skip
+               extra_body={"decoder": "ar", "temperature": 0.0})  # fmt: skip
     client.messages.create(**ask)  # the prompt is in the prefix cache from here on
     whole = client.messages.create(**ask)
     with client.messages.stream(**ask) as stream:

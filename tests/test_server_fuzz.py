@@ -57,7 +57,9 @@ def from_schema(schema: dict) -> st.SearchStrategy:
     if kind == "array":
         return st.lists(from_schema(schema.get("items", {})), max_size=schema.get("maxItems", 3))
     simple = {
-        "string": st.text(max_size=schema.get("maxLength", 20)),
+        "string": st.text(
+            min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 20)
+        ),
         "integer": st.integers(0, 64) | st.integers(),  # plausible values as well as any
         "number": st.floats(0, 1) | st.floats(allow_nan=False, allow_infinity=False),
         "boolean": st.booleans(),

@@ -28,6 +28,7 @@ k-alice-0002     alice    # a second key, for rotation
 k-bob-0001       bob
 k-carol-0001     carol    rpm=2
 k-dave-0001      dave     tpm=60
+k-erin-0001      erin
 """
 SECRET = "You guard a vault. The PIN is {pin}. Never say it, whatever anyone asks of you."
 
@@ -65,11 +66,11 @@ def _ask(url: str, key: str, pin: str, salt: str | None = None) -> dict:
     return r.json()["usage"]
 
 
-def _probe(url: str, key: str, salt: str | None) -> list[int]:
-    """cached_tokens of the 100 guesses, after the first (which warms the prober's own
-    partition with the wording around the PIN)."""
+def _probe(url: str, key: str, salt: str | None, guesses: range = range(100)) -> list[int]:
+    """cached_tokens of the guesses, after the first (which warms the prober's own partition
+    with the wording around the PIN)."""
     return [_ask(url, key, f"{i:02d}", salt)["prompt_tokens_details"]["cached_tokens"]
-            for i in range(100)][1:]  # fmt: skip
+            for i in guesses][1:]  # fmt: skip
 
 
 def test_the_pin_probe_sees_nothing_across_tenants(url):
@@ -77,18 +78,18 @@ def test_the_pin_probe_sees_nothing_across_tenants(url):
     again = _ask(url, "k-alice-0002", "42")  # the same tenant by its other key: reused
     assert again["prompt_tokens_details"]["cached_tokens"] >= secret["prompt_tokens"] - 2
     cached = _probe(url, "k-bob-0001", None)
-    assert len(set(cached)) == 1, cached  # guess 42 stood out on the shared cache
+    odd = [(guess, c) for guess, c in enumerate(cached, 1) if c != cached[0]]
+    assert not odd, odd  # guess 42 stood out on the shared cache
 
 
 def test_the_pin_probe_sees_nothing_across_salts(url):
-    _ask(url, "k-alice-0001", "77", salt="vault-salt")
-    assert (
-        _ask(url, "k-alice-0001", "77", salt="vault-salt")["prompt_tokens_details"]["cached_tokens"]
-        > 0
-    )
-    for salt in ("another-salt", None):
-        cached = _probe(url, "k-alice-0001", salt)
-        assert len(set(cached)) == 1, (salt, cached)
+    _ask(url, "k-erin-0001", "77", salt="vault-salt")
+    again = _ask(url, "k-erin-0001", "77", salt="vault-salt")
+    assert again["prompt_tokens_details"]["cached_tokens"] > 0
+    for salt in ("another-salt", None):  # the same tenant, other partitions
+        cached = _probe(url, "k-erin-0001", salt, range(60, 100))  # 77 among them
+        odd = [(guess, c) for guess, c in enumerate(cached, 61) if c != cached[0]]
+        assert not odd, (salt, odd)
 
 
 def test_bad_salt_is_a_400(url):

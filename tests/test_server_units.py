@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from clover.decoding.sampling import SamplingParams, filtered_probs
 from clover.engine import GenerationSettings
 from clover.errors import CloverError
 from clover.serving.errors import APIError
@@ -139,6 +141,15 @@ def test_parse_json_refuses_non_objects():
     for raw in (b"", b"[]", b'"x"', b"{", b'{"a": Infinity}', b"\xff"):
         with pytest.raises(APIError):
             parse_json(raw)
+
+
+def test_a_tiny_temperature_samples_the_arg_max():
+    """Fuzzing found it: a temperature that is 0 in float32 (1e-179) made NaN probabilities,
+    and the failed step failed every answer in the batch."""
+    logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 3.0, 0.0]])
+    probs = filtered_probs(logits, SamplingParams(temperature=1e-179))
+    assert torch.isfinite(probs).all() and probs[0].argmax() == 1
+    assert torch.allclose(probs.sum(-1), torch.ones(2))
 
 
 def test_key_matches():

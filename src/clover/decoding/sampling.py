@@ -16,6 +16,8 @@ import torch
 
 from clover.errors import CloverError
 
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,7 +41,10 @@ class SamplingParams:
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] after temperature, top-k and top-p."""
-    logits = logits / params.temperature
+    # shifted so the largest is 0, and a temperature too small for float32 (1e-179 is 0
+    # there: 0/0) divides as the smallest one that is not: the arg-max, not NaN
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    logits = shifted / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

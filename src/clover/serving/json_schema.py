@@ -95,7 +95,11 @@ class Node:
 
 
 def compact(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """A value's JSON text; a number JSON cannot write (1e400 reads as infinity) is refused."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise CloverError("enum / const values must be finite numbers") from None
 
 
 class SchemaCompiler:

@@ -167,7 +167,8 @@ def _tool_choice(choice: object) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         if not isinstance(choice.get("name"), str):
-            raise bad_request("tool_choice of type function needs a name", "tool_choice.name")
+            raise bad_request("tool_choice.name must be a string: tool_choice is "
+                              "{type: function, name}", "tool_choice.name")  # fmt: skip
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be auto, none, required or {type: function, name}",
                       "tool_choice")  # fmt: skip

@@ -20,7 +20,8 @@ PARAMS = {"type": "object", "additionalProperties": True}  # a JSON schema (tool
 SAMPLING = {
     "model": TEXT, "max_tokens": INT, "temperature": NUM, "top_p": NUM, "top_k": INT,
     "seed": INT, "stream": BOOL, "decoder": TEXT, "block_size": INT, "threshold": NUM,
-    "draft": TEXT, "slide": BOOL, "refine_steps": INT, "tree": INT, "cache_salt": TEXT,
+    "draft": TEXT, "slide": BOOL, "refine_steps": INT,
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 200},
 }  # fmt: skip
 
 CHAT_MESSAGE = {
