@@ -25,7 +25,8 @@ import argparse
 import json
 import statistics
 
-from serve_client import start_server, stop_server, stream_chat, write_report
+from clover.bench.client import start_server, stop_server, stream_chat, write_report
+from clover.bench.common import machine
 
 TOOLS = [
     {"type": "function", "function": {
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--prefix-cache-mb", type=float, help="warm server's (default: model's)")
     ap.add_argument("--out", default="benchmarks/results/agent_prefix.json")
     args = ap.parse_args()
+    machine_record = machine()
     system, system_tokens = system_prompt(args.model, args.system_tokens)
     flags = ["--max-running", "1", "--served-model-name", "agent"]
     flags += ["--decoder", args.decoder] if args.decoder else []
@@ -208,6 +210,7 @@ def main() -> None:
                 if v is not None and k != "out"
             ),
         },
+        machine_record,
     )
     print(json.dumps(summary))
 

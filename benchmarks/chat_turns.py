@@ -17,25 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-from datetime import UTC, datetime
-from pathlib import Path
 
-import torch
-
+from clover.bench.common import machine, now, write_results
 from clover.cli import chat_turn
+from clover.data.bench_prompts import CHAT_TURNS
 from clover.engine import LLM, Completion, GenerationSettings
 
-LINES = [
-    "Hi! I want to learn to bake bread at home. Where should I start?",
-    "What is the difference between bread flour and all-purpose flour?",
-    "How long should I knead the dough, and how do I know it is ready?",
-    "My last loaf was dense. What are the usual reasons?",
-    "Can you give me a simple schedule for baking a loaf on a Saturday?",
-    "How should I store the bread so it stays fresh?",
-    "Thanks! One last question: can I freeze dough?",
-]
+LINES = list(CHAT_TURNS)  # main() sizes it to --turns
 
 
 def conversation(
@@ -63,6 +51,7 @@ def main() -> None:
     ap.add_argument("--system", help="a system prompt (`clover chat --system`)")
     ap.add_argument("--out", default="benchmarks/results/chat_turns.json")
     args = ap.parse_args()
+    machine_record = machine()
     LINES[:] = [LINES[i % len(LINES)] for i in range(args.turns)]
     llm = LLM(args.model, dtype=args.dtype, progress=False)
     settings = llm.default_settings(GenerationSettings(max_tokens=args.max_tokens))
@@ -97,8 +86,8 @@ def main() -> None:
         "prefix_cache": cache,
     }
     report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "date": now(),
+        "machine": machine_record,
         "model": args.model,
         "dtype": llm.dtype,
         "decoder": settings.decoder,
@@ -110,8 +99,7 @@ def main() -> None:
         f"--turns {args.turns} --max-tokens {args.max_tokens}"
         + (f" --system {json.dumps(args.system)}" if args.system else ""),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_results(report, args.out)
     print(json.dumps({k: v for k, v in summary.items() if k != "prefix_cache"}))
 
 

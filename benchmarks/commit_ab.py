@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from clover.bench.common import command_line, machine, now, write_results
+from clover.data.bench_prompts import COMMIT_AB_PROMPTS
 from clover.files import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,15 +30,12 @@ import json, statistics, sys, time
 from clover.engine import LLM, GenerationSettings
 llm = LLM(sys.argv[1], progress=False)
 llm.set_prefix_cache(0)
-prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in (
-    "Write a Python function that merges two sorted lists.",
-    "Write a Python class for a stack with push, pop and peek.",
-    "Explain what a hash map is in two sentences.",
-    "Write a bash one-liner that counts lines in all .py files.")]
+prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in json.loads(sys.argv[3])]
 out = {}
 for name in sys.argv[2].split(","):
     base = GenerationSettings(max_tokens=128)
-    s = GenerationSettings(decoder="ar", max_tokens=128) if name == "ar" else llm.default_settings(base)
+    ar = GenerationSettings(decoder="ar", max_tokens=128)
+    s = ar if name == "ar" else llm.default_settings(base)
     for p in prompts:
         llm.generate([p], s)
     rates = []
@@ -50,6 +48,8 @@ for name in sys.argv[2].split(","):
     out[name] = {"median": round(statistics.median(rates), 2), "best": round(max(rates), 2)}
 print(json.dumps(out))
 """
+# the child's third argument: an old tree may not have the list
+PROMPTS = json.dumps(COMMIT_AB_PROMPTS)
 
 
 def _tree(rev: str, work: Path) -> tuple[Path, dict]:
@@ -82,18 +82,23 @@ def main(argv: list[str] | None = None) -> int:
                 for rev in order:
                     src, env = trees[rev]
                     env = {**env, "PYTHONPATH": str(src)}
-                    proc = subprocess.run([sys.executable, "-c", RUN, a.model, a.configs],
+                    proc = subprocess.run([sys.executable, "-c", RUN, a.model, a.configs, PROMPTS],
                                           env=env, capture_output=True, text=True)  # fmt: skip
                     if proc.returncode:
                         raise SystemExit(f"{rev}: {proc.stderr.strip()[-500:]}")
-                    row = {"pair": i, "rev": rev, **json.loads(proc.stdout.strip().splitlines()[-1])}
+                    row = {
+                        "pair": i,
+                        "rev": rev,
+                        **json.loads(proc.stdout.strip().splitlines()[-1]),
+                    }
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     runs.append(row)
         finally:
             for rev in trees:
                 if rev != "worktree":
-                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                                    str(Path(tmp) / rev.replace("/", "_"))], capture_output=True)  # fmt: skip
+                    path = str(Path(tmp) / rev.replace("/", "_"))
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", path],
+                                   capture_output=True)  # fmt: skip
     summary = {}
     for rev in (a.old, a.new):
         mine = [r for r in runs if r["rev"] == rev]

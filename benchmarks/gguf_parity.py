@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
+from clover.bench.common import machine, now, write_results
 from clover.bench.quality import load_suite
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
@@ -55,6 +53,7 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=64)
     ap.add_argument("--int4", action="store_true", help="also compare our int4 model")
     args = ap.parse_args()
+    machine_record = machine()
     torch.manual_seed(0)
 
     llm = LLM(args.model, dtype="float32", progress=True)
@@ -97,10 +96,9 @@ def main() -> None:
         "model": args.model,
         "gguf": str(gguf_path),
         "settings": vars(args),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
+        "machine": machine_record,
         "transformers": transformers.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": now(),
         "items": rows,
         "all_argmax_equal": all(
             r["float32_vs_transformers"]["argmax_equal"] == r["tokens"] for r in rows
@@ -108,7 +106,7 @@ def main() -> None:
         "max_abs_diff": max(r["float32_vs_transformers"]["max_abs_diff"] for r in rows),
     }
     path = Path(__file__).parent / "results" / f"gguf-parity-{args.model}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(out, path)
     print(
         f"argmax equal everywhere: {out['all_argmax_equal']}; max |diff| {out['max_abs_diff']:.2e}"
     )

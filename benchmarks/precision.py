@@ -18,23 +18,17 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from clover import kernels
+from clover.bench.common import machine, now, write_results
+from clover.data.bench_prompts import PRECISION_PROMPTS
 from clover.engine import LLM, GenerationSettings
 
-PROMPTS = [
-    "Explain why the sky is blue in three sentences.",
-    "Write a Python function that checks whether a number is prime.",
-    "List four countries in South America and their capitals.",
-    "What are the benefits of regular exercise?",
-]
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
@@ -94,6 +88,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="float32 is always run")
     args = ap.parse_args()
+    machine_record = machine()
     dtypes = ["float32"] + [d for d in args.dtypes.split(",") if d and d != "float32"]
     for d in dtypes:
         if d not in DTYPES:
@@ -105,7 +100,9 @@ def main() -> None:
     for d in dtypes:
         with dots(d):
             llms[d] = LLM(args.model, dtype=base_dtype(d), progress=False)
-    prompts = [llms["float32"].chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = [
+        llms["float32"].chat_prompt([{"role": "user", "content": p}]) for p in PRECISION_PROMPTS
+    ]
     speed: dict[str, list[float]] = {d: [] for d in dtypes}
     exact = dict.fromkeys(dtypes, 0)
     kl: dict[str, list[float]] = {d: [] for d in dtypes}
@@ -144,8 +141,8 @@ def main() -> None:
         for d in dtypes
     }
     report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "date": now(),
+        "machine": machine_record,
         "model": args.model,
         "max_tokens": args.tokens,
         "results": results,
@@ -155,7 +152,7 @@ def main() -> None:
     }
     suffix = "" if args.dtypes == ",".join(DTYPES) else "-" + args.dtypes.replace(",", "-")
     out = Path(__file__).parent / "results" / f"precision-{args.model}{suffix}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(report, out)
     print(json.dumps(report, indent=2))
 
 

@@ -26,7 +26,15 @@ import threading
 import time
 from pathlib import Path
 
-from serve_client import metrics, percentile, start_server, stop_server, stream_chat, write_report
+from clover.bench.client import (
+    metrics,
+    percentile,
+    start_server,
+    stop_server,
+    stream_chat,
+    write_report,
+)
+from clover.bench.common import machine
 
 WORDS = (
     "system agent tool file test error value cache block token prompt answer model server "
@@ -62,6 +70,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/prefix_load.json")
     args = ap.parse_args()
+    machine_record = machine()
     rng = random.Random(args.seed)
     systems = [text(rng, rng.randint(80, 600)) for _ in range(args.prefixes)]
     # per request: (index, continue an earlier conversation?, question, which one)
@@ -172,6 +181,7 @@ def main() -> None:
             "command": "python benchmarks/prefix_load.py "
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         },
+        machine_record,
     )
     print(json.dumps(summary))
 

@@ -16,26 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import threading
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
-from serve_client import percentile, start_server, stop_server
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "Give three tips for better sleep.",
-    "Explain what a hash table is in two sentences.",
-    "Translate 'good morning' into Spanish and French.",
-    "What is 12 times 7? Answer briefly.",
-    "Name three planets of the solar system.",
-    "Why is the sky blue? One sentence.",
-]
+from clover.bench.client import percentile, start_server, stop_server
+from clover.bench.common import machine, now, write_results
+from clover.data.bench_prompts import SERVE_PROMPTS
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> dict:
@@ -74,7 +62,7 @@ def run_level(url: str, concurrency: int, total: int, max_tokens: int) -> dict:
                 i = next(counter, None)
             if i is None:
                 return
-            r = one_request(url, PROMPTS[i % len(PROMPTS)], max_tokens)
+            r = one_request(url, SERVE_PROMPTS[i % len(SERVE_PROMPTS)], max_tokens)
             with lock:
                 results.append(r)
 
@@ -109,6 +97,7 @@ def main() -> None:
     ap.add_argument("--batched-running", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = ap.parse_args()
+    machine_record = machine()
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = {"batched": args.batched_running, "one_at_a_time": 1}
     results: dict[str, dict] = {}
@@ -118,7 +107,7 @@ def main() -> None:
             "--max-tokens", str(args.max_tokens),
         )  # fmt: skip
         try:
-            one_request(url, PROMPTS[0], 8)  # warm-up
+            one_request(url, SERVE_PROMPTS[0], 8)  # warm-up
             results[mode] = {}
             for c in levels:
                 n = args.requests or max(12, 2 * c)
@@ -133,11 +122,9 @@ def main() -> None:
         }
         for c in levels
     }
-    import torch
-
     report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "date": now(),
+        "machine": machine_record,
         "model": args.model,
         "dtype": args.dtype,
         "max_tokens": args.max_tokens,
@@ -150,8 +137,7 @@ def main() -> None:
         + (f"--requests {args.requests} " if args.requests else "")
         + f"--batched-running {args.batched_running}",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_results(report, args.out)
     print(json.dumps(ratio))
 
 

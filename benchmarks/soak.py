@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import subprocess
@@ -34,22 +33,15 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
+from clover.bench import common
 from clover.checkpoints.registry import DEFAULT_MODEL
+from clover.data.bench_prompts import SOAK_PROMPTS
 
 RESULTS = Path(__file__).parent / "results"
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "Give three tips for better sleep.",
-    "Explain what a hash table is in two sentences.",
-    "What is 12 times 7? Answer briefly.",
-    "Name three planets of the solar system.",
-]
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather in a city",
@@ -71,7 +63,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def _user(rng: random.Random) -> list[dict]:
-    return [{"role": "user", "content": rng.choice(PROMPTS)}]
+    return [{"role": "user", "content": rng.choice(SOAK_PROMPTS)}]
 
 
 # A request: (path, body as bytes or JSON, extra headers, streamed, dropped half way)
@@ -115,12 +107,13 @@ def _anthropic(rng: random.Random) -> Request:
 
 def _responses(rng: random.Random) -> Request:
     stream = rng.random() < 0.5
-    body = {"input": rng.choice(PROMPTS), "max_output_tokens": 32, "stream": stream}
+    body = {"input": rng.choice(SOAK_PROMPTS), "max_output_tokens": 32, "stream": stream}
     return "/v1/responses", body, {}, stream, False
 
 
 def _completion(rng: random.Random) -> Request:
-    return "/v1/completions", {"prompt": rng.choice(PROMPTS), "max_tokens": 16}, {}, False, False
+    body = {"prompt": rng.choice(SOAK_PROMPTS), "max_tokens": 16}
+    return "/v1/completions", body, {}, False, False
 
 
 BAD_BODIES = [
@@ -274,6 +267,7 @@ def main() -> int:
     p.add_argument("--server-args", default="", help="extra `clover serve` flags")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    machine_record = common.machine()  # before the server starts: what else runs here
 
     proc = None
     if args.url:
@@ -341,13 +335,9 @@ def main() -> int:
     growth = round(100 * (rss_end - rss_start) / rss_start, 2) if warm else None
     all_latency = [s for values in latency.values() for s in values]
     report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": common.now(),
         "command": " ".join(shlex.quote(a) for a in sys.argv),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "load_at_start": os.getloadavg()[0],
-        },  # fmt: skip
+        "machine": machine_record,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "requests": sum(outcomes.values()),
         "outcomes": dict(outcomes),
@@ -381,8 +371,7 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
     out = args.out or RESULTS / f"soak-{Path(args.model).name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    common.write_results(report, out)
     print(json.dumps({k: report[k] for k in ("requests", "outcomes", "latency_s", "rss_mb",
                                              "final_request_ok", "misses")}, indent=1))  # fmt: skip
     print(f"wrote {out}")

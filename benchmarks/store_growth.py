@@ -25,7 +25,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from clover.bench.common import now, write_results
+from clover.bench.common import machine, now, write_results
 from clover.decoding.rows import NgramIndex
 from clover.decoding.store import NgramStore
 
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "benchmark": "n-gram store growth (replayed greedy self-speculation, no model run)",
             "date": now(),
+            "machine": machine(),
             "command": "python benchmarks/store_growth.py " + shlex.join(argv or sys.argv[1:]),
             "data": {"dir": str(data), **meta, "answers": len(records)},
             "heldout_answers": len(held),

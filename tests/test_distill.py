@@ -2,7 +2,7 @@ import json
 import re
 
 from clover.bench.quality import load_suite
-from clover.bench.speed import PROMPTS
+from clover.data.bench_prompts import SPEED_PROMPTS
 from clover.data.distill import distill, done_ids, load_examples
 from clover.data.prompts import KINDS, PROMPT_SET_VERSION, prompt_set
 
@@ -26,7 +26,7 @@ def test_prompt_set_keeps_clear_of_the_benchmarks_items():
     is in the set (the set once held 'What is the capital of France?' and the suite's code
     tasks in other words)."""
     suite = [item["prompt"] for item in load_suite()]
-    benchmark = suite + PROMPTS
+    benchmark = suite + SPEED_PROMPTS
     # the question part of each item, without its format suffix ("Answer in one word.")
     questions = {re.split(r"(?<=[?.])\s", p)[0].lower() for p in benchmark}
     names = {m for p in suite for m in re.findall(r"`(\w+)\(", p)}

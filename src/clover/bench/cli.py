@@ -76,7 +76,6 @@ def cmd_speed(a: argparse.Namespace) -> int:
     from clover.bench.speed import (
         DEFAULT_CONFIGS,
         LLAMACPP_MISSING,
-        PROMPTS,
         CloverEngine,
         LlamaCppEngine,
         TransformersEngine,
@@ -87,6 +86,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         probe_rss,
         run_speed,
     )
+    from clover.data.bench_prompts import SPEED_PROMPTS
     from clover.decoding.store import existing_store, model_store
     from clover.engine import LLM
 
@@ -94,7 +94,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
     if a.quick:
         a.tokens, a.reps, a.prompts = a.tokens or 32, a.reps or 1, a.prompts or 1
         a.dtypes = a.dtypes or "auto"
-    tokens, reps, n_prompts = a.tokens or 128, a.reps or 3, a.prompts or len(PROMPTS)
+    tokens, reps, n_prompts = a.tokens or 128, a.reps or 3, a.prompts or len(SPEED_PROMPTS)
     configs = parse_configs(a.configs or DEFAULT_CONFIGS)  # checked before any load
     batches = sorted({int(b) for b in a.batch.split(",")})
     peers = {p.strip() for p in a.peers.split(",") if p.strip()}
@@ -127,7 +127,9 @@ def cmd_speed(a: argparse.Namespace) -> int:
         if peers:
             notes.append(f"peers skipped: they run on the CPU here, our rows on {device}")
         peers, a.no_rss = set(), True
-    prompts = [first.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS[:n_prompts]]
+    prompts = [
+        first.chat_prompt([{"role": "user", "content": p}]) for p in SPEED_PROMPTS[:n_prompts]
+    ]
     ours = list(llms.values()) + compiled
     engines: list[object] = [CloverEngine(llm, c) for llm in ours for c in configs]
     gguf = first.resolved.path if first.resolved and first.resolved.kind == "gguf" else None
@@ -200,7 +202,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
             + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
             "tokens_per_row": tokens,
             "reps": reps,
-            "prompts": PROMPTS[:n_prompts],
+            "prompts": SPEED_PROMPTS[:n_prompts],
             "prompt_tokens": [len(p) for p in prompts],
             "batches": batches,
             "greedy": True,

@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from clover.data.bench_prompts import LOAD_PROMPT
 from clover.errors import CloverError
 from clover.files import cache_dir
 
-PROMPT = "Write a Python function that checks whether a string is a palindrome."
 SHARED = ("kernels", "costs", "models")  # kept from the user's cache in a first-ever start
 
 CHILD = """
@@ -51,7 +51,7 @@ print(json.dumps({"load_s": round(load_s, 3), "rss_load_mb": round(rss_load, 1),
 
 
 def _clover_child(model: str, tokens: int, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, model, PROMPT, str(tokens)],
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, LOAD_PROMPT, str(tokens)],
                           env=env, capture_output=True, text=True)  # fmt: skip
     if proc.returncode:
         raise CloverError(f"clover load of {model} failed: {proc.stderr.strip()[-400:]}")
@@ -110,7 +110,7 @@ def llamacpp_bin() -> Path | None:
 
 
 def _llamacpp_child(binary: Path, gguf: Path, tokens: int, threads: int) -> dict:
-    command = [str(binary), "-m", str(gguf), "-p", PROMPT, "-n", str(tokens), "--temp", "0",
+    command = [str(binary), "-m", str(gguf), "-p", LOAD_PROMPT, "-n", str(tokens), "--temp", "0",
                "-t", str(threads), "-no-cnv", "--no-warmup", "-c", "2048"]  # fmt: skip
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -145,7 +145,7 @@ def llamacpp_rows(gguf: Path, tokens: int, reps: int, threads: int, log: object 
     for i in range(reps):
         log(f"llama.cpp {gguf.name}: run {i + 1}/{reps}")
         runs.append(_llamacpp_child(binary, gguf, tokens, threads))
-    base = [str(binary), "-m", str(gguf), "-p", PROMPT, "--temp", "0", "-t", str(threads),
+    base = [str(binary), "-m", str(gguf), "-p", LOAD_PROMPT, "--temp", "0", "-t", str(threads),
             "-no-cnv", "--no-warmup", "-c", "2048"]  # fmt: skip
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     return {
@@ -180,7 +180,13 @@ def run_load(models: list[str], tokens: int = 256, reps: int = 3, threads: int =
             }
         row["disk_beyond_gguf_x"] = round(ours["disk_beyond_gguf_bytes"] / row["gguf_bytes"], 3)
         rows[model] = row
-    return {"prompt": PROMPT, "tokens": tokens, "reps": reps, "threads": threads, "models": rows}
+    return {
+        "prompt": LOAD_PROMPT,
+        "tokens": tokens,
+        "reps": reps,
+        "threads": threads,
+        "models": rows,
+    }
 
 
 def format_load(report: dict) -> str:

@@ -44,12 +44,6 @@ DEFAULT_CONFIGS = (
     "low_confidence:32:0.9,low_confidence:32:0.95,"
     "self_spec:4,self_spec:8,self_spec:4:lookup,default"
 )
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a bicycle works to a ten-year-old.",
-    "List five tips for writing clean Python code, with a sentence on each.",
-    "Describe the water cycle in a few sentences.",
-]
 LLAMACPP_MISSING = (
     "llama.cpp skipped: llama-cpp-python is not installed (`pip install 'clover[llamacpp]'`; "
     "it compiles llama.cpp, which takes minutes)"

@@ -55,9 +55,9 @@ def benchmark_questions() -> set[str]:
     self prompt that asks one of them is dropped, so acceptance measured there stays measured
     on prompts no drafter trained on."""
     from clover.bench.quality import default_suite_path, load_suite
-    from clover.bench.speed import PROMPTS
+    from clover.data.bench_prompts import SPEED_PROMPTS
 
-    out = {_first_sentence(p) for p in PROMPTS}
+    out = {_first_sentence(p) for p in SPEED_PROMPTS}
     if default_suite_path().is_file():
         out |= {_first_sentence(it["prompt"]) for it in load_suite()}
     out.discard("")

@@ -1,21 +1,22 @@
-"""What the serving benchmarks share: start `clover serve` on a free port, stream one chat
-request and time it as a client sees it, read /metrics, percentiles, the results file.
-Imported by the scripts beside it (`python benchmarks/<script>.py` puts this folder on the
-path)."""
+"""A client of `clover serve` for the serving benchmarks (benchmarks/agent_prefix.py,
+prefix_load.py, serve_load.py): start the server on a free port, stream one chat request and
+time it as a client sees it, read /metrics, percentiles, the results file.
+
+It needs httpx (the `dev` extra), which the package itself does not.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
+
+from clover.bench.common import machine, now, write_results
 
 
 def start_server(model: str, dtype: str, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -103,14 +104,8 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def write_report(path: str, fields: dict) -> None:
-    """`fields` as JSON at `path`, after the date and the machine."""
-    import torch
-
-    report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        **fields,
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+def write_report(path: str, fields: dict, machine_record: dict | None = None) -> None:
+    """`fields` as JSON at `path`, after the date and the machine (`machine_record`, taken
+    before the run so that its load average says what else ran; else taken now)."""
+    record = machine_record or machine()
+    write_results({"date": now(), "machine": record, **fields}, path)

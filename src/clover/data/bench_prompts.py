@@ -1,0 +1,69 @@
+"""The fixed prompts the benchmarks send, in one place.
+
+Each list belongs to one benchmark, and its results files are compared run against run, so a
+list's text and order stay as they are: a new prompt set is a new list under a new name.
+Self-prompt generation (`clover.data.self_prompts`) drops prompts that ask one of the speed
+prompts, so no drafter trains on the questions its speed is measured on.
+"""
+
+from __future__ import annotations
+
+# `clover bench speed`: open-ended answers long enough to fill 128 tokens
+SPEED_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle works to a ten-year-old.",
+    "List five tips for writing clean Python code, with a sentence on each.",
+    "Describe the water cycle in a few sentences.",
+]
+
+# `clover bench load`: the one answer whose peak memory is reported, ours and llama.cpp's
+LOAD_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+# benchmarks/precision.py: each precision's logits and answers against float32's
+PRECISION_PROMPTS = [
+    "Explain why the sky is blue in three sentences.",
+    "Write a Python function that checks whether a number is prime.",
+    "List four countries in South America and their capitals.",
+    "What are the benefits of regular exercise?",
+]
+
+# benchmarks/serve_load.py: short chat requests, taken in turn by the client threads
+SERVE_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give three tips for better sleep.",
+    "Explain what a hash table is in two sentences.",
+    "Translate 'good morning' into Spanish and French.",
+    "What is 12 times 7? Answer briefly.",
+    "Name three planets of the solar system.",
+    "Why is the sky blue? One sentence.",
+]
+
+# benchmarks/soak.py: the user turn of every generated request (drawn with the run's seed)
+SOAK_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give three tips for better sleep.",
+    "Explain what a hash table is in two sentences.",
+    "What is 12 times 7? Answer briefly.",
+    "Name three planets of the solar system.",
+]
+
+# benchmarks/commit_ab.py: coding prompts, the coder models' own kind of request
+COMMIT_AB_PROMPTS = [
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "Explain what a hash map is in two sentences.",
+    "Write a bash one-liner that counts lines in all .py files.",
+]
+
+# benchmarks/chat_turns.py: the user's lines of one conversation, turn by turn
+CHAT_TURNS = [
+    "Hi! I want to learn to bake bread at home. Where should I start?",
+    "What is the difference between bread flour and all-purpose flour?",
+    "How long should I knead the dough, and how do I know it is ready?",
+    "My last loaf was dense. What are the usual reasons?",
+    "Can you give me a simple schedule for baking a loaf on a Saturday?",
+    "How should I store the bread so it stays fresh?",
+    "Thanks! One last question: can I freeze dough?",
+]
