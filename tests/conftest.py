@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 
@@ -26,15 +22,6 @@ TINY = dict(
     eos_token_id=1,
     bos_token_id=2,
 )
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py as a module (the scripts are not a package)."""
-    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def tiny_model(seed: int = 0, **overrides) -> DiffusionLM:

@@ -925,12 +925,11 @@ def test_kept_features_are_read_back_instead_of_running_the_target(
 
 
 def test_drafter_curve_chains_a_continued_run(tmp_path):
-    """benchmarks/drafter_curve.py: steps and minutes add up across runs, the feature pass is
-    the time before the first step at the steps' pace, a resumed run's repeated steps count
-    once."""
-    from tests.conftest import load_benchmark
+    """clover.train.curve: steps and minutes add up across runs, the feature pass is the time
+    before the first step at the steps' pace, a resumed run's repeated steps count once."""
+    from clover.errors import CloverError
+    from clover.train.curve import curve
 
-    mod = load_benchmark("drafter_curve")
     for name, offset, init in (("a", 600.0, "random"), ("b", 300.0, "a/drafter.safetensors")):
         run = tmp_path / name
         run.mkdir()
@@ -942,14 +941,14 @@ def test_drafter_curve_chains_a_continued_run(tmp_path):
         lines[-1]["heldout_kinds"] = {"accepted": 0.25}
         lines.insert(50, dict(lines[45]))  # a resumed run repeats steps after its checkpoint
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    out = mod.curve([tmp_path / "a", tmp_path / "b"])
+    out = curve([tmp_path / "a", tmp_path / "b"])
     assert out["steps"] == 400 and out["minutes"] == round((1000 + 700) / 60, 1)
     assert [r["seconds_before_first_step"] for r in out["runs"]] == [600, 300]
     assert [e["step"] for e in out["evals"]] == [100, 200, 300, 400]
     assert out["evals"][-1]["heldout_kinds"] == 0.25 and out["evals"][1]["heldout"] == 0.75
     assert len(out["loss_by_100_steps"]) == 4
-    with pytest.raises(SystemExit, match="not a drafter run"):
-        mod.curve([tmp_path / "none"])
+    with pytest.raises(CloverError, match="not a drafter run"):
+        curve([tmp_path / "none"])
 
 
 def test_store_guesses_give_way_to_a_drafter_that_pays_more():
@@ -975,49 +974,6 @@ def test_store_guesses_give_way_to_a_drafter_that_pays_more():
     assert row._lookup() == [] and row.drafter_length() > 0
     row._append([5, 9, 40])  # now the row's own text continues 9 40 with 41: lookup wins
     assert row._lookup()[:1] == [41] and row._source == "lookup" and row.drafter_length() == 0
-
-
-def test_tree_replay_of_a_chain_counts_the_decoder_s_passes(monkeypatch):
-    """benchmarks/drafter_tree.py: the teacher-forced rank paths of a chain drafter over the
-    answers, replayed with the chain's tree, give the passes and the drafts kept per pass of
-    the real `:fixed` decode (the last pass apart: the decoder drafts no further than the
-    token budget); trees are prefix-closed, "leaves" trees branch only off the arg-max chain,
-    and a draft is kept as far as its rank path stays in the tree."""
-    from clover.decoding.drafting import DrafterRunner
-    from clover.decoding.policies import SelfSpec
-    from tests.conftest import load_benchmark
-
-    mod = load_benchmark("drafter_tree")
-    model = attached(tiny_model(seed=3), chain=True)
-    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
-    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
-    kept_any, differ = 0, 0
-    for bonus in (DrafterRunner.COPY_BONUS, 0.0, 30.0):  # the decoder's lean to copies, none,
-        with monkeypatch.context() as m:  # and one that overrides the drafter
-            m.setattr(DrafterRunner, "COPY_BONUS", bonus)
-            spec = decoded(model, prompts, policy, 24)
-        for prompt, r in zip(prompts, spec):
-            rec = {"id": "x", "prompt_ids": prompt, "answer_ids": list(r.tokens)}
-            both = mod.rank_paths(model.drafter, model, model.head_weight(), None, rec,
-                                  (bonus, 0.0))  # fmt: skip
-            paths = both[bonus]
-            assert len(paths) == len(r.tokens) - 1 and all(len(p) <= 3 for p in paths)
-            passes, hist = mod.replay(paths, mod.chain(3))
-            assert passes == r.nfe
-            assert hist[: len(r.accepted) - 1] == r.accepted[:-1]  # a last pass may draft none
-            kept_any += sum(r.accepted)
-            differ += passes != mod.replay(both[0.0], mod.chain(3))[0]
-    assert kept_any >= 30  # the looping tiny model makes the random drafter right often
-    assert differ  # the bonus changes what is drafted
-
-    paths = [(0, 0, 1), (0, 1, 0), (1, 0), (0, 0, 0), (2,), (0, 3)]
-    assert mod.kept((0, 1, 0), mod.chain(3)) == 1 and mod.kept((1, 0), mod.chain(3)) == 0
-    tree = mod.build_tree(paths, 5)
-    assert all(p[:-1] in tree for p in tree if len(p) > 1) and len(tree) == 5
-    assert (0,) in tree and (0, 0) in tree and mod.kept((0, 0, 2), tree) == 2
-    leaves = mod.build_tree(paths, 8, leaves=True)
-    assert (1,) in leaves and (1, 0) not in leaves and (0, 1) in leaves
-    assert (0, 1, 0) not in leaves and (0, 0, 1) in leaves
 
 
 def test_copy_leans_and_training_as_the_decoder_drafts(tiny_checkpoint, data, tmp_path):

@@ -2,8 +2,6 @@
 set this CPU has, for every row count class, and the fused llama layers against the modules."""
 
 import copy
-import json
-import platform
 import shutil
 
 import pytest
@@ -14,7 +12,6 @@ from clover.errors import CloverError
 from clover.kernels.qgemm import QWeight, pack_scales, reference_dots_matmul, reference_matmul
 from clover.models.llama import LlamaConfig, LlamaModel
 from clover.quant import Int4Linear, Int4Part, Int8Linear, project, quantize_model
-from tests.conftest import load_benchmark
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler here")
 
@@ -775,40 +772,9 @@ def test_a_build_killed_midway_does_not_block_later_loads(tmp_path):
         assert not (tmp_path / "lock").exists()
 
 
-def test_kernel_ab_checks_its_cases():
-    mod = load_benchmark("kernel_ab")
-    assert mod.parse_case("4864,896,4,5,1") == (4864, 896, 4, 5, 1)
-    for bad in ("4864,896,4,5", "4860,896,4,5,1", "4864,900,4,5,1", "4864,896,4,6,1", "a,b,c,d,e"):
-        with pytest.raises(SystemExit, match="case"):
-            mod.parse_case(bad)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    shutil.which("g++") is None or platform.machine() != "x86_64", reason="needs g++ on x86-64"
-)
-def test_kernel_ab_times_two_builds_by_turns(tmp_path, capsys):
-    """benchmarks/kernel_ab.py on the same sources twice: both builds run, give the same
-    outputs to the bit, and the result file records each case."""
-    mod = load_benchmark("kernel_ab")
-    out = tmp_path / "ab.json"
-    cases = ["32,64,3,5,1", "16,32,2,8,2"]
-    assert (
-        mod.main(["worktree", "worktree", "--cases", *cases, "--reps", "2", "--out", str(out)]) == 0
-    )
-    report = json.loads(out.read_text())
-    assert [(r["N"], r["M"], r["bits"]) for r in report["cases"]] == [(32, 3, 5), (16, 2, 8)]
-    assert all(r["same"] and r["a_ms"] > 0 and r["b_ms"] > 0 for r in report["cases"])
-    assert "OUTPUTS DIFFER" not in capsys.readouterr().out
-    # 92ab6a9 added QGemm.x_planes: the program cannot hand one QGemm to both layouts
-    with pytest.raises(SystemExit, match="qgemm.h differs"):
-        mod.main(["92ab6a9^", "worktree", "--cases", cases[0], "--out", str(out)])
-
-
 def test_each_checkout_builds_in_its_own_directory(tmp_path):
     """Two copies of the same sources (a worktree, a clean clone) get different build
     directories: sharing one, each load rebuilt the other's objects (ninja reads the paths)."""
-    import shutil
     from pathlib import Path
 
     from clover import kernels
