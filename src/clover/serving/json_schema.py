@@ -52,7 +52,7 @@ class Budget:
 
     size: int = 20_000
     depth: int = 64
-    seconds: float = 2.0
+    seconds: float = 1.0  # a core held outside decoding, at most
 
     def deadline(self) -> float:
         return time.monotonic() + self.seconds
