@@ -29,7 +29,7 @@ import torch
 from clover.serving.json_grammar import JsonGrammar, State
 
 MASK_CACHE = 64  # candidate sets kept per vocabulary (keyed by rule state), ~1 MB at most each
-NEED_CAP = 2**31 - 1  # needs past any context length are all alike
+NEED_CAP = 2**30  # needs past any context length are alike (and +2 stays within int32)
 OPEN, CLOSE = "<think>", "</think>"
 
 
