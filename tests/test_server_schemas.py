@@ -33,7 +33,7 @@ from clover.serving.grammars import Grammars
 from clover.serving.json_grammar import JsonGrammar
 from clover.serving.json_schema import Budget
 from clover.serving.options import ServeOptions
-from tests.test_server_support import serve_in_thread, write_checkpoint
+from tests.test_server_support import ServerProcess, serve_in_thread, write_checkpoint
 
 EOS = 0
 # every character a completion may need is a token of its own, as in a byte-level vocabulary
@@ -271,3 +271,38 @@ def test_huge_enum_is_refused_fast_and_a_large_one_answers(url):
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
     assert time.monotonic() - start < 10.0
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):  # noqa: SIM115 (read whole at once)
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="Linux")
+def test_hostile_schemas_leave_the_servers_memory_flat(tmp_path):
+    """The issue's target: no request under the body limit raises the server's RSS by more
+    than 200 MB (one ~200-byte request with minLength 10**9 took it to 24 GB)."""
+    checkpoint = write_checkpoint(tmp_path, context=512)
+    server = ServerProcess(checkpoint)
+    try:
+        url = f"{server.url}/v1/chat/completions"
+        ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+        assert httpx.post(url, json=ask, timeout=60).status_code == 200  # warm
+        before = _rss_mb(server.process.pid)
+        hostile = [
+            {"type": "string", "minLength": 10**9},
+            {"type": "array", "minItems": 10**9, "items": {"type": "string", "minLength": 10**9}},
+            {"enum": list(range(100_000))},
+            {"enum": [f"v{i}" for i in range(15_000)]},
+            {"type": "object", "additionalProperties": {"type": "array"}},
+        ]
+        for schema in hostile * 3:
+            r = httpx.post(url, json={**ask, "response_format": _json_schema(schema)}, timeout=60)
+            assert r.status_code in (200, 400), r.text
+        deep = {**ask, "max_tokens": 400, "response_format": {"type": "json_object"}}
+        assert httpx.post(url, json=deep, timeout=120).status_code == 200
+        assert _rss_mb(server.process.pid) - before < 200
+    finally:
+        server.terminate()
