@@ -84,9 +84,9 @@ def _key(here: Path, compiler: str) -> str:
         h.update((here / name).read_bytes())
     h.update(torch.__version__.encode())
     # the install too: each venv writes its own include paths into build.ninja, so two venvs
-    # sharing a build dir rebuilt each other's objects at every load; and the sources' own
-    # path, for the same reason (two checkouts of one commit, e.g. a worktree or a clean clone
-    # for CI, took turns rebuilding all objects, ~1 minute of both cores each load)
+    # sharing a build dir would rebuild each other's objects at every load; and the sources'
+    # own path, for the same reason (two checkouts of one commit, e.g. a worktree or a clean
+    # clone for CI, would take turns rebuilding all objects)
     h.update(str(Path(torch.__file__).parent).encode())
     h.update(str(here.resolve()).encode())
     h.update(compiler.encode())
@@ -97,7 +97,7 @@ def _key(here: Path, compiler: str) -> str:
 @contextlib.contextmanager
 def _build_lock(target: Path) -> Iterator[None]:
     """One builder per build dir. PyTorch's own lock is a file that a killed build leaves
-    behind, after which every later load waits forever (seen here); an OS lock dies with its
+    behind, after which every later load waits forever; an OS lock dies with its
     process, so whoever holds it may remove that stale file."""
     try:
         import fcntl

@@ -4,7 +4,7 @@
 // the dots of 16 keys at once (16 accumulators, then a transposing reduction tree) instead of
 // reducing every key's vector separately: ~6 instructions a key instead of ~20; and AVX2 + FMA
 // for Dh a multiple of 8, the same with 8 keys (the portable loop's float sums do not
-// vectorize: on a 2-core AVX2 EPYC it was ~20x its memory bound).
+// vectorize, which leaves it far above its memory bound).
 #include "attention.h"
 
 #include "qgemm.h"  // to_bf16

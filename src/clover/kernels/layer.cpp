@@ -1,8 +1,8 @@
 // A llama-family decoder layer (RMSNorm, packed q/k/v with RoPE, attention over the KV cache,
 // o, RMSNorm, packed gate/up, SiLU, down) in one call, for inference passes over the cache.
 //
-// Why: a decode step of a small model on a CPU was mostly the fixed cost of ~140 PyTorch ops
-// per layer (dispatch, allocation, casts); the weights themselves took a third of it. Here a
+// Why: through PyTorch's modules, a decode step of a small model on a CPU is mostly the fixed
+// cost of ~140 ops per layer (dispatch, allocation, casts), not the weights. Here a
 // layer is one call: the residual stream stays float32 (more exact than the module path's
 // bfloat16), matmul inputs are rounded to bfloat16 once for the quantized kernel, attention runs
 // in float32 on the cache as it lies, and the layout's visibility rule (models/layout.py) is
@@ -197,8 +197,7 @@ class FusedLayer {
     std::vector<uint16_t> hb(M * std::max(D, F));
     std::vector<float> xs(M * (std::max(D, F) / 16 + 1));
     // what the matmuls and the attention write in full is left uninitialized (a prefill's
-    // gate/up output alone is ~120 MB at 3,000 rows: zeroing it cost more than its matmul's
-    // share of the memory traffic)
+    // gate/up output is large, and zeroing it first would write all of it twice)
     const Buffer qkv(M * Nq), att(M * hq_ * dh_);
 
     // attention half
@@ -292,12 +291,10 @@ class FusedLayer {
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
   }
 
-  // queries of the pass (rows of qkv) over the cache. From 16 tokens on, a task is 4
-  // consecutive tokens of one (row, head), which read each cached key and value once
-  // (attend_queries): a 33-token block over 2,000 cached tokens took 0.72x the time of one
-  // query at a time, while 4 and 8 tokens gained nothing (`clover bench passes`, AVX-512).
-  // On AVX2 from 2 tokens on: verify 4 and 8 over 2,000 cached tokens took 17 and 35 ms of
-  // attention instead of 23 and 45 (a 2-core EPYC)
+  // queries of the pass (rows of qkv) over the cache. From 16 tokens on (on AVX2 from 2), a
+  // task is 4 consecutive tokens of one (row, head), which read each cached key and value
+  // once (attend_queries); on AVX-512, shorter passes are as fast one query at a time
+  // (`clover bench passes` times both)
   void attend_loop(const float* qkv, const float* kc, const float* vc, int64_t cap,
                    const Layout& lay, float* out) const {
     const int64_t T = lay.T, Nq = nqkv_, group = hq_ / hkv_;

@@ -63,13 +63,11 @@ bool dots_on_vnni(int64_t isa) {
 
 }  // namespace
 
-// VNNI: up to 4 rows (AMX's bfloat16 tiles cost as much from 3 rows on), and up to 16 where
-// 4- and 5-bit weights take x on one plane (kX8; 8-bit weights keep two planes in blocks of 4
-// rows): qwen2.5-coder-0.5b on a 2-core Zen 4 (`clover bench passes`, the same run, alone):
-// verify 5 / 8 / 16 at 21-25 / 29-30 / 51-53 ms on the dots, 30-34 / 41-47 / 60-67 on the
-// bfloat16 path; 32 rows gained nothing. AVX2: up to 16, where the dots still cost 0.73-1.0x
-// the float path (a 4864 x 896 matmul on a 2-core Zen 3, int4 / int5 / int8: 0.32-0.57x at 1
-// row, 0.60-0.75x at 4, 0.77-0.81x at 8, 0.73-1.0x at 16)
+// Rows a pass may have and still take the integer dots. VNNI: up to 4 (AMX's bfloat16 tiles
+// cost as much from 3 rows on), and up to 16 where 4- and 5-bit weights take x on one plane
+// (kX8; 8-bit weights keep two planes in blocks of 4 rows): there the dots beat the bfloat16
+// path up to 16 rows and not beyond. AVX2: up to 16, where the dots cost no more than the
+// float path. `clover bench passes` times both sides (docs/kernels.md).
 int64_t int8_dots_rows(int64_t isa) {
   if (!(isa & kInt8Dots)) return 0;
   return dots_on_vnni(isa) && !(isa & kX8) ? 4 : 16;
@@ -157,9 +155,8 @@ Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, 
   return p;
 }
 
-// Rows of x per sweep over the weights: 192 (a multiple of every kernel's own block of rows).
-// Measured on a 2-core Xeon with AMX (int5, 9728 x 896 and 896 x 4864): 3072 rows at once ran
-// at 0.61-0.72x the speed of 256; in sweeps of 192, 0.81-0.97x; 384 lost at both shapes.
+// Rows of x per sweep over the weights: 192 (a multiple of every kernel's own block of rows),
+// so x stays in cache; a wide pass taken all at once, or in sweeps of 384, runs slower.
 // `$CLOVER_QGEMM_ROWS` overrides it, rounded up to a multiple of 192 (0: all rows at once).
 int64_t row_chunk() {
   if (const char* forced = std::getenv("CLOVER_QGEMM_ROWS")) {

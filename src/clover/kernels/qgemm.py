@@ -59,8 +59,8 @@ def compact_parts(scale: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch
 
     GGUF's k-quants store a group's scale as a small integer times a float16 per 256 values
     (Q4_K: sc in 0..63 times d, and the offset m times dmin; Q6_K: an int8 times d). Those
-    products are not float16 numbers, so they were kept in float32: 2 bits a weight at int4,
-    a third of what a pass read of such a matrix. Written back as the integers and one base
+    products are not float16 numbers; in float32 they would take 2 bits a weight at int4, a
+    third of what a pass reads of such a matrix. Written back as the integers and one base
     per 256 values, they take 0.75 bits (Q4_K) with the same values. Found without knowing
     the format: each scale is an integer mantissa times a power of two; at the block's least
     exponent the mantissas' greatest common divisor is the base, and the quotients must fit
@@ -210,8 +210,8 @@ class QWeight:
     def row_levels(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(levels, scale, low) of output rows `rows`, exactly as stored: `from_levels` of them
         (bits 4, or 8 for 5- and 8-bit levels) packs those rows of this matrix unchanged.
-        Only the 16-row tiles holding them are unpacked (the whole of a 151,936-row head took
-        0.75 s and ~0.5 GB for a drafter's 16,384 rows)."""
+        Only the 16-row tiles holding them are unpacked: unpacking a whole large-vocabulary
+        head for a drafter's few thousand rows would cost far more time and memory."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         tiles, tile_of = torch.unique(rows // 16, return_inverse=True)
         at = tiles.to(self.q.device)

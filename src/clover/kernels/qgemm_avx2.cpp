@@ -3,8 +3,8 @@
 // (row, k parity) pairs, so the packed layout of qgemm.h is read as it is; the two parities
 // of a row are added once at the end. Unpacking the levels costs more instructions than the
 // FMAs that use them, so a pass of 2 rows or more unpacks each group of a tile once into L1
-// and every row reads it from there (unpacked per two rows, a pass of 8 rows cost ~3.7x one
-// row on a 2-core AVX2 EPYC).
+// and every row reads it from there (unpacking it for every two rows would make a pass of 8
+// rows cost several times one row).
 #if defined(__x86_64__) || defined(_M_X64)
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -156,9 +156,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           add_group<LOW>(y, acc, s, l, LOW ? xsum[0] : 0.f);
           continue;
         }
-        // two rows or more (through registers, two rows cost 2x one): unpack the group once
-        // (it was once per two rows), then two rows at a time read it from L1 (three at a time,
-        // or a branch for a last odd row, measured slower)
+        // two rows or more (through registers, two rows would cost 2x one): unpack the group
+        // once, then two rows at a time read it from L1 (three at a time, or a branch for a
+        // last odd row, are slower)
         if (BITS == 4) {  // as above: each chunk's words widened once for its 4 pairs
           for (int c = 0; c < P / 4; ++c)
             for (int h = 0; h < 4; ++h) {
@@ -198,8 +198,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
 // --- wide passes (a prompt, a training batch): whole weights, a register-blocked kernel ---
 //
 // The path above keeps a tile's levels in (row, parity) lanes and adds every group's sum into
-// memory; on a 2-core Zen 3 a pass of 2,000 rows ran at ~0.65x the float32 matmul of the same
-// weights. Here each tile's levels become float32 weights (scale * level + low) in a panel of
+// memory, which makes a wide pass slower than the float32 matmul of the same weights. Here each tile's levels become float32 weights (scale * level + low) in a panel of
 // kKc k x 16 columns, and blocks of up to 6 rows multiply it with the accumulators in
 // registers (2 vectors of 8 columns per row), the classic small-GEMM kernel. Every row runs the
 // same sequence of FMAs (k in order, blocks of kKc in order) whatever the pass width and its
@@ -221,7 +220,7 @@ CLOVER_INLINE void to_panel(const __m256* w, float* even) {
 
 // y[r] (16 floats) += sum over k < kc of panel[k] * x[r][k], rows r < R. Not inlined: 6 rows
 // take 12 accumulators + 2 weights + 1 broadcast of the 16 registers, and inlined into the
-// int5 kernel it lost some to the unpacking's constants (3x slower there)
+// int5 kernel it would lose some of them to the unpacking's constants
 template <int R>
 __attribute__((noinline)) void block_rows(const float* panel, int64_t kc, const float* x,
                                           float* y) {

@@ -95,8 +95,8 @@ CLOVER_INLINE void micro(const uint8_t* base, const __m512i* wbuf, __m512i table
   }
 }
 
-// rows of x per block: 12 independent accumulator chains keep the dot unit busy (8 reached
-// ~115 GFLOP/s a core here, 12 ~180)
+// rows of x per block: 12 independent accumulator chains keep the dot unit busy (8 leave it
+// idle part of the time)
 constexpr int64_t kRowBlock = 12;
 
 template <int P, int BITS, bool LOW>
@@ -199,8 +199,8 @@ CLOVER_INLINE void unpack_group(const uint8_t* base, __m512i table, __m512i* w) 
 constexpr int64_t kAhead = 8;
 
 // passes of fewer rows than this stay on `vdpbf16ps`, and so do the last rows of a pass when
-// fewer than this are left after its blocks of 16 (measured on a Xeon with AMX: an AMX block
-// costs about as much as 3 rows on `vdpbf16ps`)
+// fewer than this are left after its blocks of 16 (an AMX block costs about as much as 3 rows
+// on `vdpbf16ps`)
 constexpr int64_t kAmxMinRows = 3;
 
 // NR: rows of x per tile, 16 or (passes of up to 4 rows: a verify pass) 4

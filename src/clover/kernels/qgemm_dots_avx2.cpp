@@ -77,8 +77,8 @@ CLOVER_INLINE __m256i high16(__m256i m) {
 }
 
 // y[r] (rows 8h..8h+7) += dot * scale * d (+ low * xsum): qgemm_vnni.cpp's epilogue, 8 lanes.
-// G (groups a row) comes from the caller: computed here, K / group was a 64-bit division per
-// group and half (with the int4 halves change: 0.77-0.91x the time, benchmarks/kernel_ab.py).
+// G (groups a row) comes from the caller: computed here, K / group would be a 64-bit division
+// per group and half.
 template <int MR, bool LOW, bool F16>
 CLOVER_INLINE void epilogue(const QGemm& a, int64_t G, int64_t t, int64_t g, int h,
                             const __m256i* dot, __m256* y) {
@@ -122,8 +122,8 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
 
 // 4- and 5-bit levels (groups of 32), MR rows of x on PL int8 planes. Up to 2 rows (4 rows
 // of int4 with x on one plane) take both halves of the tile at once: each broadcast of x then
-// serves 16 weight rows, which made 3- to 16-row int4 passes ~10% faster on a Zen 3 (int5's
-// high bits and x on two planes fill the registers: 3 or 4 rows, one half after the other).
+// serves 16 weight rows, which makes 3- to 16-row int4 passes faster (int5's high bits and x
+// on two planes fill the registers: 3 or 4 rows, one half after the other).
 template <int MR, int BITS, bool LOW, bool F16, int PL>
 void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / 32;

@@ -3,13 +3,14 @@
 // (AVX-512 VNNI) multiplies 16 weight rows x 4 k of bytes by 4 bytes of x broadcast, 64
 // multiply-adds an instruction, summed exactly in int32. The bfloat16 path spends two
 // instructions per pair of k unpacking 4-bit levels (shift, table lookup) beside one
-// `vdpbf16ps` of 32 multiply-adds, so one row ran at ~3x the time of reading the weights; here
+// `vdpbf16ps` of 32 multiply-adds, so one row takes several times as long as reading the
+// weights; here
 // a 64-byte chunk of 4-bit levels unpacks into bytes with three instructions for four
 // `vpdpbusd` (two planes of x, below).
 //
-// x in 8 bits per group (llama.cpp's Q8_0 activations) was too coarse: one outlier sets the
-// step of its 31 neighbours, and SmolLM2-135M's next-token KL against float32, one token a
-// pass, went from 0.00093 (bfloat16 x) to 0.0115. So x_q = round(x / d) in -16256..16256,
+// x in 8 bits per group (llama.cpp's Q8_0 activations) is too coarse for some models: one
+// outlier sets the step of its 31 neighbours, and a small model's next-token KL against
+// float32 grows about tenfold over bfloat16 x (docs/kernels.md). So x_q = round(x / d) in -16256..16256,
 // d = max |x| / 16256 (15 bits a value), split into two int8 planes, x_q = 128 high + low
 // (high in -127..127, low in -64..63), each dotted with the levels:
 //   y[m, n] = sum_g  scale[n, g] * d[m, g] * (128 dot_g(high, q[n]) + dot_g(low, q[n]))
@@ -48,8 +49,8 @@ namespace clover {
 namespace {
 
 // groups of weights ahead to prefetch: a model larger than the share of L3 it gets streams
-// from DRAM, and the hardware prefetcher alone left Qwen2.5-Coder-0.5B's AR step at 23.4 ms
-// (19.0-19.7 with 4 to 16 ahead)
+// from DRAM, where the hardware prefetcher alone leaves an AR step slower than 4 to 16
+// groups of software prefetch do
 constexpr int64_t kAhead = 8;
 
 // int5: lo and hi (the & 15 and >> 4 bytes of chunk c of a tile's group at `base`) + 16 where
@@ -152,8 +153,8 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
 // planes 1: x_q in -127..127 in the order above): half the `vpdpbusd` of two planes, so a
 // row costs two an unpacked chunk and up to 8 rows share one unpacking. The dots are exact
 // and the epilogue is qgemm_dots_avx2.cpp's, lane for lane, so a row's result equals that
-// path's to the bit (it ran these passes on VNNI CPUs before: ~0.6x the instructions a chunk
-// here at one row, and a pass of 5 to 16 rows no longer falls to the bfloat16 path). Up to 4
+// path's to the bit; this one needs fewer instructions a chunk than that one at one row, and
+// keeps passes of 5 to 16 rows off the bfloat16 path. Up to 4
 // rows take two chains a row (the chunk's low and high nibbles), then one: enough
 // independent sums either way, and 8 rows' sums + outputs fit the registers.
 template <int MR, int BITS, bool LOW, bool F16>
