@@ -158,7 +158,7 @@ class LLM:
         the graphs it needs are made before it comes: `ar` on a chat prompt (prefill, AR
         steps), then `self_spec` with lookup drafts on a prompt that repeats itself, so that
         context matches are drafted and verified (a multi-token pass over a cache, the graph
-        that a first answer with a match otherwise compiled, 10-30 s). Batch 1 and batch >= 2
+        that a first answer with a match would otherwise wait for). Batch 1 and batch >= 2
         are separate graphs; a server decoding several rows warms both."""
         chat = self.chat_prompt([{"role": "user", "content": "Say hello, hello, hello."}])
         counting = self.encode("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5,")

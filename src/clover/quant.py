@@ -284,7 +284,7 @@ def quantize_model(
         raise CloverError("weight-only quantization uses CPU kernels; use bfloat16 elsewhere")
     model.to(torch.bfloat16)
     # the modules whose children get replaced, not the linears themselves: a list holding those
-    # would keep every bfloat16 weight alive until the end (load peaked at ~970 MB, not ~700)
+    # would keep every bfloat16 weight alive until the end, and the load's peak with them
     owners = [m for m in model.modules() if not isinstance(m, nn.Linear)]
     for module in owners:
         changed = False
@@ -372,11 +372,11 @@ def quantize_linears(module: nn.Module, group: int = GROUP) -> nn.Module:
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] -> (int8 [..., N, K], bf16 scale [..., N]), symmetric per row. In
-    chunks of rows: a float32 copy of a whole LM head would be 113 MB for SmolLM2."""
+    chunks of rows: a float32 copy of a whole LM head (vocabulary x hidden) is large."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.shape[:-1], dtype=torch.float32)
     # detached: a weight that requires grad (the LM head's parameter) would make `scale` an
-    # autograd node keeping every float32 chunk and the weight alive (+1.1 GB for Qwen2.5-0.5B)
+    # autograd node keeping every float32 chunk and the weight alive
     rows, qf, sf = w.detach().reshape(-1, w.shape[-1]), q.view(-1, w.shape[-1]), scale.view(-1)
     for i in range(0, rows.shape[0], 4096):
         chunk = rows[i : i + 4096].float()

@@ -12,14 +12,12 @@ layers run (clover.kernels: their stage clocks; the LM head timed alone; "rest" 
 embedding, layout, Python). Each component stands beside its bound on this machine:
     weights (and head): max(bytes read / memory bandwidth, 2 * weights * rows / matmul peak)
     attention: max(K/V bytes / bandwidth, 4 * queries * keys * head_dim / float32 peak)
-with the bandwidth and peaks measured at the start (a read as large as the model's weights, at
-least 128 MB: a model that fits in the share of L3 it gets reads at the cache's rate, a larger
-one streams from DRAM, ~28 GB/s against ~50 on the Xeon measured here; PyTorch's bf16 and
-float32 matmuls; the matmul peak is the better of the two: a CPU without bfloat16 arithmetic
-multiplies bf16 at ~1 GFLOP/s, which made every weight bound a compute bound of seconds; the
-integer dots of short passes may beat the float peak). `pass_costs` is the timing harness other
-scripts reuse
-(benchmarks/lookup_policy.py).
+with the bandwidth and peaks timed at the start: a read as large as the model's weights (at
+least 128 MB, since a model that fits in its share of L3 reads at the cache's rate and a larger
+one streams from DRAM, which is slower), and PyTorch's bf16 and float32 matmuls. The matmul
+peak is the better of the two: a CPU without bfloat16 arithmetic multiplies bf16 so slowly
+that every weight bound would become a compute bound. The integer dots of short passes may
+beat the float peak. `pass_costs` is the timing harness that `decoding.costs` reuses.
 """
 
 from __future__ import annotations
@@ -222,8 +220,8 @@ def run_passes(
                     "ms": round(cost["ms"], 3),
                     "x_ar_step": round(cost["ms"] / ar_ms, 3),
                     "components_ms": {k: round(v, 3) for k, v in comp.items()},
-                    # each stage of the fused layers (the components sum them): one stage
-                    # out of line shows here first (SiLU * up once took 0.6 ms a row)
+                    # each stage of the fused layers (the components sum them): a stage
+                    # that costs more than its share shows here first
                     "stages_ms": {k: round(v, 3) for k, v in sorted(stages.items())},
                     "bounds_ms": {k: round(v, 3) for k, v in b.items()},
                     "x_bound": {k: round(comp[k] / b[k], 2) for k in b if k in comp and b[k] > 0},

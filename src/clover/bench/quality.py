@@ -184,7 +184,7 @@ def run_quality(
         model_store(llm.model)  # made now, not by the first such row: others' answers feed it
     store = existing_store(llm.model)
     for c in configs:  # this machine's pass costs, timed now if they are not known yet (a
-        # first timing took ~7 s of the coder's first self_spec setting's seconds)
+        # first timing would otherwise land in the first self_spec setting's seconds)
         if c.decoder == "self_spec" and c.adaptive and c.draft != "mask":
             model_costs(llm.model, drafter="drafter" in c.draft)
     learned: dict[str, list] = {c.name: [] for c in configs}

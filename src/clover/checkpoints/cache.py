@@ -24,7 +24,7 @@ from clover.files import atomic_write_text, cache_dir
 
 SOURCES = "sources.json"
 TEMP_GRACE_S = 3600.0  # a half-written entry younger than this may still be in progress
-LEGACY = "converted"  # float32 conversions of earlier versions: removed once, saying so
+LEGACY = "converted"  # float32 conversions that older Clover versions wrote: removed once
 
 
 def root() -> Path:
@@ -139,8 +139,8 @@ def removed_summary(removed: list[CacheEntry]) -> str:
 
 
 def remove_legacy(progress: bool = True) -> None:
-    """Delete the float32 conversions earlier versions wrote (`<cache>/converted`, about 5x
-    each GGUF), once, saying so."""
+    """Delete the float32 conversions older versions wrote (`<cache>/converted`, each many
+    times its GGUF's size), once, saying so."""
     old = cache_dir() / LEGACY
     if not old.is_dir():
         return

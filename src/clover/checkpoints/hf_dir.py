@@ -207,8 +207,8 @@ def model_from_state(
     for name in list(state):
         state[name] = state.pop(name).to(dtype).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
-    # neither dict may keep the weights alive: quantization drops the float ones as it goes
-    # (the default model's load peaked at ~950 MB with the caller's dict alive, ~630 without)
+    # neither dict may keep the weights alive: quantization drops the float ones as it goes,
+    # and a dict still holding them would keep every float weight in memory until the end
     given.clear()
     state.clear()
     model.reset_buffers()  # non-persistent buffers (RoPE frequencies) are not in checkpoints

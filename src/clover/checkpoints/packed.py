@@ -99,8 +99,8 @@ class PackWriter:
 class _Reader(threading.Thread):
     """Reads a file's first `size` bytes into anonymous memory (huge pages where the kernel
     gives them), in the background: the read releases the GIL, so a loader goes on (the
-    tokenizer) meanwhile. The kernels' passes over such memory are ~10% faster than over a
-    mapping of the file's own pages."""
+    tokenizer) meanwhile. The kernels' passes over such memory are faster than over a
+    mapping of the file's own pages (docs/checkpoints.md)."""
 
     def __init__(self, path: Path, size: int) -> None:
         super().__init__(daemon=True)

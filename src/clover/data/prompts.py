@@ -17,10 +17,9 @@ import random
 
 # Bumped whenever the templates or vocabularies change what prompt_set returns: a distilled
 # directory records it, and `clover data distill` will not extend one of another version.
-# 1: the first sets (until 2026-12); 2: 21 kinds, kept clear of the benchmarks' items;
-# 3: 26 kinds (describe, advice, why, note, product added) and vocabularies about three times
-# as large, so that prose prompts do not run out long before the templated arithmetic and
-# reading ones (in set 2, 12,000 prompts were 49% reading/arithmetic, their last 6,000 78%).
+# 1: the first sets; 2: 21 kinds, kept clear of the benchmarks' items; 3: 26 kinds (describe,
+# advice, why, note, product added) and vocabularies about three times as large, so that the
+# prose kinds run out of distinct prompts no sooner than the templated arithmetic and reading.
 PROMPT_SET_VERSION = 3
 
 # The vocabularies are kept apart from the benchmarks' own items: no question, code task, topic

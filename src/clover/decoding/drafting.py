@@ -34,7 +34,7 @@ def leaf_tree(
     """A tree of `nodes` drafts from a chain drafter's logits [n, V] at its n depths and the
     chain it drafted (each depth's pick, read by the next depth's pass): the chain's nodes and,
     beside them, other guesses at each depth (up to widest - 1, hanging on the chain's node
-    before: the drafter gave their logits in the same pass, so they cost no drafter pass, but
+    before: the drafter gives their logits in the same pass, so they cost no drafter pass, but
     nothing is drafted after them). Every candidate is worth the drafter's probability of the
     branch that ends in it; the `nodes` likeliest are kept (EAGLE-2's rule, Li et al. 2024,
     on a tree whose only deep branch is the chain); a parent is always worth at least its
@@ -100,10 +100,9 @@ class DrafterRunner:
     BACKLOG = 256  # tokens whose features may wait for a row's next draft
     # a chain drafter's logit at each position gains this much on the token that followed the
     # latest earlier occurrence of the row's last 3 (else 2) tokens, drafts included
-    # (`NgramIndex.follower`): the small drafters trained here copy names and numbers from the
-    # prompt poorly ("The capital of" -> " Morocco" for France). Replayed on the quality suite
-    # (benchmarks/drafter_tree.py --copy-bonus), SmolLM2-135M's chain drafter kept more with it
-    # (README "Train a drafter"); 0 turns it off. Drafts stay drafts: verification is exact.
+    # (`NgramIndex.follower`): small drafters copy names and numbers from the prompt poorly
+    # ("The capital of" -> " Morocco" for France), and the context holds them (docs/drafter.md).
+    # 0 turns it off. Drafts stay drafts: verification is exact.
     COPY_BONUS = 4.0
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter) -> None:
@@ -111,8 +110,8 @@ class DrafterRunner:
         self.layers = tuple(drafter.config.feature_layers)
         self.cache = None
         self.backlog: list[list[torch.Tensor]] = []  # per row: features not yet committed
-        self.waiting: list[int] = []  # per row: tokens in its backlog (summed once a step, the
-        # chunks' lengths cost a batch-8 step ~1 ms once backlogs held a hundred chunks each)
+        self.waiting: list[int] = []  # per row: tokens in its backlog (a running count:
+        # summing the chunks' lengths every step grows costly as backlogs grow)
         self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
         if drafter.vocab is not None:
             self.head, self.vocab = self.vocab_head(model, drafter)
@@ -123,8 +122,8 @@ class DrafterRunner:
     @staticmethod
     def vocab_head(model: torch.nn.Module, drafter: Drafter) -> tuple:
         """(the LM head's rows of the drafter's vocabulary, those ids), made once per drafter
-        and model: it reads most of the head's tiles (0.3 s for the coder's 16,384 of 151,936
-        rows; made per batch it cost every request that), so `load` makes it up front."""
+        and model: it reads most of the head's tiles, which made per batch would cost every
+        request that time, so `load` makes it up front."""
         made = drafter.__dict__.setdefault("_vocab_heads", weakref.WeakKeyDictionary())
         if model not in made:
             from clover.quant import head_rows, release_freed_memory
@@ -193,8 +192,8 @@ class DrafterRunner:
             if not self.drafter.config.chain:
                 h = self.drafter.block_hidden(first, embed, self.cache, width)
                 return self._logits(h[:, 1:])
-            # each position's logits are written in place (a cat of the steps copied ~9 MB a
-            # row at width 16 on a 152K vocabulary: ~2 ms of a ~20 ms chain here)
+            # each position's logits are written in place: a cat of the steps would copy the
+            # whole [B, width - 1, V] block once more
             shape = (len(first), width - 1, self.drafter.config.vocab_size)
             out = torch.empty(shape, device=self.model.device)  # float32, as logits are
             ids, offset = torch.stack([first, first], 1), 0  # positions 0 and 1 read `first`

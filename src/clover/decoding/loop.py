@@ -385,7 +385,7 @@ class BatchDecoder:
     def _fit_lookup_drafts(self, plans: list[tuple[list[int], int]]) -> list:
         """In a batch every row's pass is padded to the longest, so a context-lookup draft may
         only fill what the other rows' passes take anyway: one row's 3-token guess must not
-        make all rows pay 4 positions (measured: lookup at batch 8 was 0.85x `ar` before)."""
+        make all rows pay 4 positions."""
         core = [len(t) - r.optional_tokens() for r, (t, _) in zip(self.active, plans)]
         width = max(core)
         for k, r in enumerate(self.active):
@@ -439,8 +439,8 @@ class BatchDecoder:
                 logits = model.logits(torch.stack(wanted))  # [N, V]
                 if self.config.mask_token_id is not None:
                     logits[:, self.config.mask_token_id] = float("-inf")  # never an answer
-        # greedy rows without constraints take their tokens from one batched `sample` (on the
-        # host: per row it was a few ops and a host sync each on a GPU)
+        # greedy rows without constraints take their tokens from one batched `sample` (row by
+        # row, each would be a few ops, and on a GPU a host sync)
         plain = [r.constraint is None and r.sampling.greedy for r in active]
         greedy = None
         if logits is not None and any(plain):
@@ -525,8 +525,8 @@ class BatchDecoder:
         drafting = [isinstance(r, SpecRow) and r.uses_drafter for r in self.active]
         kept = torch.where(torch.tensor(drafting), kept, 0)
         # in a batch every row's pass is padded to the widest: a row whose draft lengths follow
-        # the measured costs drafts only while it runs alone (measured at batch 8 here: drafter
-        # drafts widened every row's pass and cost 0.72x `ar`); fixed-length rows always draft
+        # the measured costs drafts only while it runs alone, since its drafts would widen every
+        # row's pass and the batch would run slower than `ar`; fixed-length rows always draft
         alone = len(keep) == 1
         lengths = [r.drafter_length() if d and k in keep and (alone or r.costs is None) else 0
                    for k, (r, d) in enumerate(zip(self.active, drafting))]  # fmt: skip

@@ -380,8 +380,8 @@ class SpecRow(Row):
         # the machine's pass costs (decoding/costs.py), set by the loop when the policy adapts
         # its draft lengths; then each source's acceptance decides how far to draft
         self.costs: PassCosts | None = None
-        # one estimate per source this row drafts from (each relaxes every step: in a batch
-        # of 8 that was 24 list updates a step for a lookup-only row's one source)
+        # one estimate per source this row drafts from, and none for the others: each relaxes
+        # every step, which costs per source and per row
         sources = {"lookup": self.looks_up, "store": "store" in self.policy.draft,
                    "drafter": self.uses_drafter}  # fmt: skip
         sizes = {"lookup": NgramIndex.LONG, "store": self.policy.block_size - 1,
@@ -427,10 +427,11 @@ class SpecRow(Row):
 
     def _lookup(self) -> list[int]:
         """The context-lookup draft for the next pass ([] without lookup or a paying match).
-        None on a row's first pass: that pass then has `ar`'s width (the prompt), so its rows
-        round as `ar`'s do; with integer dots every later pass of up to 4 tokens (16 on AVX2)
-        does too, and int4 answers stay `ar`'s (drafts appended to the prompt pass made an AMX
-        pass of another width, whose rows sum in another order: one coder answer in 64 parted)."""
+        [] on a row's first pass: that pass then has `ar`'s width (the prompt), so its rows
+        round as `ar`'s do. Drafts appended to the prompt would make a pass of another width,
+        whose rows a matmul may sum in another order, and an int4 answer could then part from
+        `ar`'s; with integer dots every later pass of up to 4 tokens (16 on AVX2) rounds as
+        `ar`'s does (docs/kernels.md)."""
         if not self.looks_up or not self.answer:
             return []
         room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token

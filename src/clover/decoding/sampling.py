@@ -1,11 +1,10 @@
 """Turning logits into a token and a confidence per position.
 
 Greedy (temperature 0) takes the arg-max of the logits and reports its softmax probability
-(unless the caller needs no confidence: the softmax over a 150K vocabulary cost more than the
-arg-max, ~1.4 ms of a batch-8 step of the coder 0.5B here); sampling draws
-from the temperature-scaled distribution after top-k / top-p filtering and reports the
-probability of the drawn token under that distribution. The confidence is what decoding
-policies threshold on.
+(unless the caller needs no confidence: a softmax over a large vocabulary costs far more than
+the arg-max); sampling draws from the temperature-scaled distribution after top-k / top-p
+filtering and reports the probability of the drawn token under that distribution. The
+confidence is what decoding policies threshold on.
 """
 
 from __future__ import annotations

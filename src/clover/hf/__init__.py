@@ -17,7 +17,7 @@ Decisions, and why:
   `CloverConfig` is registered with `AutoConfig` (cheap: its base class is loaded by then).
   The model class is registered when the first `CloverConfig` is built, i.e. exactly when
   someone is about to load such a model; defining it imports `transformers.modeling_utils`,
-  about 1.7 s that processes using transformers only for tokenizers should not pay.
+  seconds that processes using transformers only for tokenizers should not pay.
 - `register()` does all of it now, for code that wants it explicit. Interop needs
   transformers >= 5 (its dataclass configs); with 4.x the hook does nothing.
 """

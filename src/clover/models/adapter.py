@@ -233,7 +233,7 @@ def load_adapter(model: nn.Module, path: Path) -> DraftAdapter:
 
 def keep_float32(model: nn.Module) -> None:
     """Adapter weights back to float32 after a model-wide cast: the adapter's matmuls are tiny
-    (a few block tokens x rank), where CPU float32 kernels beat bfloat16 ones ~2x."""
+    (a few block tokens x rank), where CPU float32 kernels beat bfloat16 ones."""
     for t in adapter_state(model).values():
         t.data = t.data.float()
 

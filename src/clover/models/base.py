@@ -188,9 +188,9 @@ class DiffusionLM(nn.Module):
         not block passes: with a draft adapter they take other branches (block-token
         gathers) and every variant compiles for minutes on a small CPU, while their time
         is the weight matmuls. Shapes are dynamic (batch, positions, cache length), so a
-        process compiles a handful of graphs (up to a minute or two each on 2 cores, cached
-        on disk by PyTorch, which shortens the next process's start). Inference only: the eager
-        backbone is the reference (`test_compile_causal_matches_eager`)."""
+        process compiles a handful of graphs (each can take a minute or more on a small CPU;
+        cached on disk by PyTorch, which shortens the next process's start). Inference only:
+        the eager backbone is the reference (`test_compile_causal_matches_eager`)."""
         import shutil
 
         import torch._dynamo
@@ -202,8 +202,8 @@ class DiffusionLM(nn.Module):
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 32))  # B=1/T=1 specialize: a few graphs
-        # not inductor's cpp_wrapper: it took the backbone of a decode step from 10.3 to 9.1
-        # ms here, but each graph then compiled for ~3 minutes on 2 cores instead of ~1
+        # not inductor's cpp_wrapper: it makes a decode step's backbone a little faster, but
+        # each graph then compiles about three times as long
         self.compiled_backbone = torch.compile(self.backbone, dynamic=True)
 
     def _run(

@@ -66,10 +66,9 @@ class LayerCache:
 def kv_dtype(model: torch.nn.Module) -> torch.dtype:
     """The K/V cache dtype of a model: `model.kv_cache_dtype` if set, else the embedding
     weights' dtype, except float32 on CPU for 16-bit weights. Why: PyTorch's CPU attention
-    kernel is 4-6x slower in bfloat16 than in float32 for a decode step (one query row over a
-    200- / 1000-token cache: 117 vs 29 us, 559 vs 87 us, measured here), and attention then
-    dominates a step of a small model (`benchmarks/attention_dtype.py`). The cache costs twice
-    the memory of a bfloat16 one."""
+    kernel is several times slower in bfloat16 than in float32 for a decode step (one query
+    row over the cache), and attention would then dominate a step of a small model
+    (docs/history.md has the figures). The cache costs twice the memory of a bfloat16 one."""
     forced = getattr(model, "kv_cache_dtype", None)
     if forced is not None:
         return forced

@@ -302,8 +302,8 @@ class Drafter(nn.Module):
     def fused_layers(self, cache: ModelCache) -> list | None:
         """One kernels.FusedLayer per layer (its q/k norms included) when every projection is
         int4 in Clover's kernels and the cache is float32 K/V, at inference; made once per
-        kernel path. A drafter pass of one or two tokens was mostly PyTorch's per-op overhead
-        (~20 ops a layer)."""
+        kernel path. Through the modules, a drafter pass of one or two tokens is mostly
+        PyTorch's per-op overhead (~20 ops a layer)."""
         from clover import kernels
         from clover.kernels.qgemm import fused_part as packed
 

@@ -510,7 +510,7 @@ def _train(
                 timed_from = now
             elif step - start_step >= 11 and (step - start_step - 11) % 50 == 0:
                 # refitted every 50 steps: evals and slower steps later in a run count too
-                # (fitted once, a 55-minute CPU box planned 927 steps and ran out at 826)
+                # (a schedule fitted once from the first steps overruns its box)
                 per_step = (now - timed_from) / (step - start_step - 1)
                 fit = step + int(0.95 * (deadline - now) / per_step)
                 if fit < cfg.steps:  # shorten the schedule (the cosine ends at the box)
@@ -557,7 +557,7 @@ def adapter_provenance(info: dict, cfg: TrainConfig, steps: int, tokens: int) ->
     """The adapter file's record of how it was made: one entry per training run ("stages"),
     so an adapter continued from another (`init_adapter`) keeps its whole history."""
     stages = list(info.get("stages", []))
-    if not stages and "recipe" in info:  # a file written before stages were recorded
+    if not stages and "recipe" in info:  # an older file: one recipe, no stages
         stages = [{k: info[k] for k in ("steps", "data", "recipe") if k in info}]
     recipe = {k: v for k, v in asdict(cfg).items() if k not in ("data", "out", "device")}
     if cfg.init_adapter:  # shape settings come from the file it continued
@@ -574,7 +574,7 @@ def export_model(model: torch.nn.Module, llm: object, target: Path) -> Path:
 
     config = model.config
     config.default_decoder = "low_confidence"
-    # the weights are no longer the GGUF's 4-bit levels: `auto` must not re-quantize them
+    # the trained weights are not the GGUF's 4-bit levels: `auto` must not re-quantize them
     config.extra.pop("gguf_file_type", None)
     files = []
     if llm.directory is not None:

@@ -65,8 +65,8 @@ class DrafterTrainConfig:
     drafter_file: str | None = None  # default: <out>/drafter.safetensors
     feature_cache_gb: float = 4.0  # the target's features kept across epochs; 0: none
     # and saved in <out>/features as they are made (when the budget holds all of them), so a
-    # resumed run reads them instead of running the target again (~45 minutes for the coder
-    # 0.5B's 2,938 answers on 2 cores; ~2.3 GB there)
+    # resumed run reads them instead of running the target again (the target's pass is the
+    # longest part of a first epoch on a CPU)
     keep_features: bool = True
     # "target": the drafter's layers start as copies of the target's last layers
     # (models/drafter.py `init_from_target`); "random": from scratch; or a drafter file
@@ -177,8 +177,8 @@ def draft_vocabulary(records: list[dict], vocab_size: int, size: int) -> torch.T
 
 class FeatureCache:
     """The frozen target's features by record id (bfloat16), up to a byte budget: its
-    features are the same every epoch, and a target pass over a batch cost ~2x the drafter's
-    whole step here."""
+    features are the same every epoch, and a target pass over a batch costs more than the
+    drafter's whole step."""
 
     def __init__(self, budget_gb: float) -> None:
         self.budget, self.used, self.rows = budget_gb * 1e9, 0, {}
@@ -228,11 +228,11 @@ def warm_cache(
 ) -> bool:  # fmt: skip
     """Fill `cache` with every record's features before the first step, when its budget holds
     them all: the target runs over records of similar lengths together (random training
-    batches of a distilled set pad to ~1.5x its tokens) in passes of about `tokens` tokens.
-    `keep`: a directory where each pass's features are saved as they come (bfloat16, ~5 KB a
-    token on the coder 0.5B) and read back by a resumed run instead of running the target
-    again; features made for another target, `dtype` (the target's load), layers or length
-    are replaced.
+    batches of a distilled set carry much padding) in passes of about `tokens` tokens.
+    `keep`: a directory where each pass's features are saved as they come (bfloat16, the kept
+    layers' hidden states of every token) and read back by a resumed run instead of running
+    the target again; features made for another target, `dtype` (the target's load), layers
+    or length are replaced.
     Returns whether it did; otherwise the first epoch fills the cache as it goes."""
     width = len(layers) * target.config.hidden_size
     lengths = {r["id"]: min(max_len, len(r["prompt_ids"]) + len(r["answer_ids"])) for r in records}
@@ -304,8 +304,8 @@ def block_starts(records: list[dict], n: torch.Tensor, S: int, rng: random.Rando
 
 def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
     """Block starts drawn once per record (seeded by its id): the same blocks at every
-    evaluation, spread as decoding meets them (evenly spaced starts favoured the first answer
-    tokens and measured ~1.5x what decoding kept)."""
+    evaluation, spread as decoding meets them (evenly spaced starts would favour the first
+    answer tokens and overstate what decoding keeps)."""
     out = []
     for r, length in zip(records, n.tolist()):
         rng = random.Random(r["id"])
@@ -365,8 +365,8 @@ def teacher_forced(drafter: object, target: torch.nn.Module, head: torch.Tensor,
         before = ids.gather(1, at.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(at.shape)
     h = drafter.train_hidden(feats, n, first, starts, target.embed_rows, B,
                              before)  # [N,S,B,D]  # fmt: skip
-    # the head in bfloat16 where that is fast (~2.7x PyTorch's float32 matmul on an AMX Xeon),
-    # and it is most of a step (N * S * (B - 1) positions x the vocabulary)
+    # the head in bfloat16 where that is fast (`bf16_fast`), since it is most of a step
+    # (N * S * (B - 1) positions x the vocabulary)
     logp = F.linear(h[:, :, 1:].to(head.dtype), head).float().log_softmax(-1)  # [N,S,B-1,V]
     pos = starts[..., None] + torch.arange(1, B)  # [N, S, B-1] positions predicted
     labels = ids.gather(1, pos.clamp(max=ids.shape[1] - 1).reshape(N, -1)).reshape(N, S, B - 1)
@@ -473,8 +473,8 @@ def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, recor
              cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
              cache: FeatureCache | None = None) -> dict:  # fmt: skip
     """Mean accepted draft length (greedy drafts vs the teacher's tokens) at fixed blocks;
-    `cache` keeps the held-out records' features too (the target pass was most of an
-    evaluation: ~8 minutes of the first 50 steps on the coder 0.5B)."""
+    `cache` keeps the held-out records' features too (the target pass is most of an
+    evaluation)."""
     if not records:
         return {}
     drafter.eval()
