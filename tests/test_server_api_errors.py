@@ -95,10 +95,10 @@ CASES = [
       "text.format.schema")),
     ("an answer schema whose shortest answer cannot fit",
      ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-         "name": "x", "schema": {"type": "string", "minLength": 100}}}}, "max_tokens"),
+         "name": "x", "schema": {"type": "string", "minLength": 10**4}}}}, "max_tokens"),
      None,
      ({**RESP, "text": {"format": {"type": "json_schema", "name": "x",
-                                   "schema": {"type": "string", "minLength": 100}}}},
+                                   "schema": {"type": "string", "minLength": 10**4}}}},
       "max_output_tokens")),
 ]  # fmt: skip
 ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")

@@ -136,7 +136,7 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
     ) -> TextRule | None:
         """The decoding rule of a chat answer (JSON output, a forced tool call, a thinking
         budget), its schemas compiled in the grammars' thread; a 400 naming max_tokens if
-        the shortest answer it allows cannot fit in them."""
+        the shortest answer it allows could never fit in them."""
         pairs = list(req.schemas.items())
         forced = req.tool_choice not in ("auto", "none")  # required, or a named function
         if forced:
@@ -150,13 +150,16 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         if forced:
             then = call_rule(grammars[-1])
         rule = answer_rule(then, req.thinking_budget, opens)
-        need = rule.need() if rule is not None else 0
-        if need and need + 1 > max_tokens:  # a token per character at worst, then the end
+        if rule is None:
+            return None
+        need = rule.need()
+        longest = (await run_in_threadpool(lambda: runtime.vocab)).longest  # built once
+        if need > max_tokens * longest:  # even the longest tokens could not hold it
             param = req.names.max_tokens
             raise bad_request(
-                f"the shortest answer the request's schema allows is {need} characters, and "
-                f"the decoder counts a token for each: {param} ({max_tokens}) leaves no room "
-                f"for it; raise {param} or lower the schema's minLength / minItems",
+                f"the shortest answer the request's schema allows is {need} characters; "
+                f"{param} ({max_tokens}) tokens of at most {longest} characters each cannot "
+                f"hold it: raise {param} or lower the schema's minLength / minItems",
                 param,
                 "schema_exceeds_max_tokens",
             )
