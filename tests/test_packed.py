@@ -280,23 +280,25 @@ def test_a_7b_shaped_gguf_loads_within_its_size_plus_a_fixed_overhead(tmp_path):
                   num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)  # fmt: skip
     write_gguf(path, {n: "Q4_K" for n in _G}, embedding="Q4_K", head="Q6_K", config=config)
     size_mb = path.stat().st_size / 2**20
+    # VmHWM (peak_rss_mb), not ru_maxrss: a child inherits its parent's ru_maxrss, and this
+    # process held the random weights it wrote
     child = textwrap.dedent(f"""
-        import resource, torch
+        import torch
+        from clover.bench.common import peak_rss_mb
         from clover.checkpoints.loader import load
         m = load({str(path)!r}, dtype="int4", progress=False).model
         with torch.inference_mode():
             m.logits(m(torch.tensor([[1, 2, 3, 4]])))
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print(peak_rss_mb())
     """)
-    env = dict(os.environ)
     peaks = []
-    for _ in range(2):  # the first start packs, the second maps
-        out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
-                             text=True, check=True)  # fmt: skip
+    for _ in range(2):  # the first start packs, the second reads the packed file back
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                             check=True)  # fmt: skip
         peaks.append(float(out.stdout.strip().splitlines()[-1]))
-    base = subprocess.run([sys.executable, "-c", "import resource, torch, clover.checkpoints."
-                           "loader; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss"
-                           " / 1024)"], capture_output=True, text=True, check=True)  # fmt: skip
+    base = subprocess.run([sys.executable, "-c", "import torch, clover.checkpoints.loader; "
+                           "from clover.bench.common import peak_rss_mb; print(peak_rss_mb())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
     overhead = max(peaks) - size_mb - float(base.stdout.strip())
     print(f"GGUF {size_mb:.0f} MB, peaks {peaks} MB, over file + import: {overhead:.0f} MB")
     assert peaks[0] <= peaks[1] * 1.05  # the first start peaks no higher than later ones
@@ -324,3 +326,22 @@ def test_bench_load_reports_first_and_warm_starts(tmp_path, monkeypatch):
     assert "skipped" in row["llama.cpp"] and "build_llamacpp.sh" in row["llama.cpp"]["skipped"]
     assert "llama.cpp  skipped" in bench_load.format_load(report)
     assert not list((tmp_path / "cache").glob("gguf/*"))  # the first-ever cache was its own
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packing_a_block_of_rows_at_a_time_gives_the_same_file(tmp_path, monkeypatch, arch):
+    """Large matrices are packed a block of rows at a time (bounded memory); the tiles, scales
+    and footer are the same as packing each matrix at once, grouped projections included;
+    llama's q/k, whose rows the family reorders, are packed whole."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
+                      "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q5_0"},
+               arch=arch, head="Q6_K")  # fmt: skip
+    whole = packed.pack_gguf(GGUFFile(path), tmp_path / "whole.pack", progress=False)
+    monkeypatch.setattr(packed, "BLOCK_VALUES", 16 * 256)  # 16-row blocks
+    src = packed._Source(GGUFFile(path), GGUFFile(path).config())
+    assert len(packed._blocks(src, "model.layers.0.mlp.gate_proj.weight")) == 512 // 16
+    q_rows = packed._blocks(src, "model.layers.0.self_attn.q_proj.weight")
+    assert len(q_rows) == (1 if arch == "llama" else 256 // 16)
+    blocks = packed.pack_gguf(GGUFFile(path), tmp_path / "blocks.pack", progress=False)
+    assert whole.read_bytes() == blocks.read_bytes()

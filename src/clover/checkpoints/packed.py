@@ -29,6 +29,7 @@ import mmap
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import BinaryIO
@@ -50,7 +51,7 @@ from clover.quant import Int4Part, int8_rows, quantize_int4, quantized_linear
 PACK_VERSION = 1
 HEAD, TAIL = b"CLVPACK1", b"CLVPEND1"
 ALIGN = 64
-CHUNK_ROWS = 16384  # a large matrix (an LM head) is packed this many rows at a time
+BLOCK_VALUES = 1 << 22  # a large matrix is packed about this many values of rows at a time
 DTYPES = {
     "uint8": torch.uint8,
     "int8": torch.int8,
@@ -214,6 +215,12 @@ class _Source:
         self.gf.release(name)
         return torch.from_numpy(w)
 
+    def rows_in_place(self, hf: str) -> bool:
+        """Whether the family keeps the file's row order for this tensor (llama's q/k: no)."""
+        name = self.names[hf]
+        N = self.shape(hf)[0]
+        return np.array_equal(self._map(name, np.arange(N).reshape(N, 1))[:, 0], np.arange(N))
+
     def levels(self, hf: str, rows: slice | None = None) -> tuple:
         """A quantized matrix's levels: (q [N, K], scale, low or None [N, K / group])."""
         name = self.names[hf]
@@ -257,9 +264,9 @@ def _qweight(src: _Source, hf: str, wide: str, rows: slice | None = None) -> QWe
     return QWeight.from_levels(*_levels(src, hf, wide, rows), bits=bits)
 
 
-def _head(src: _Source, hf: str, rows: slice | None = None) -> QWeight:
-    """The LM head: a quantized type's own levels (4- or 8-bit, never rounded again); a float
-    one in int8 per row, as an HF checkpoint's head."""
+def _head(src: _Source, hf: str, wide: str, rows: slice | None = None) -> QWeight:
+    """The LM head: a quantized type's own levels (4- or 8-bit, never rounded again, whatever
+    `wide` says); a float one in int8 per row, as an HF checkpoint's head."""
     kind = src.type(hf)
     if kind in ggml.BLOCKS:
         return _qweight(src, hf, "int8", rows)
@@ -268,29 +275,48 @@ def _head(src: _Source, hf: str, rows: slice | None = None) -> QWeight:
     return QWeight.from_levels(q, scale.float()[:, None].expand(N, K // 32), bits=8)
 
 
-def _chunked(make: object, N: int) -> QWeight:
-    """make(rows) -> QWeight of those rows, called CHUNK_ROWS rows at a time and assembled in
-    place, so a large matrix's unpacked levels are never all in memory at once; one call for
-    all rows where the blocks came out packed differently (a scale dtype or bit width is
-    decided per block)."""
-    if N <= CHUNK_ROWS:
-        return make(None)
-    first = make(slice(0, CHUNK_ROWS))
-    sig = (first.bits, first.group, first.scales.dtype, first.mults is None)
+def _blocks(src: _Source, hf: str) -> list[slice | None]:
+    """Row blocks of about BLOCK_VALUES values each, in whole 16-row tiles, so a large matrix's
+    unpacked levels are never all in memory at once; one block (None: all rows) for a small
+    matrix or one whose rows the family reorders across the matrix (llama's q/k)."""
+    N, K = src.shape(hf)
+    if N * K <= BLOCK_VALUES or not src.rows_in_place(hf):
+        return [None]
+    step = max(16, BLOCK_VALUES // K // 16 * 16)
+    return [slice(i, min(i + step, N)) for i in range(0, N, step)]
+
+
+def _signature(w: QWeight) -> tuple:
+    return w.bits, w.group, w.scales.dtype, w.mults is None, w.has_low
+
+
+def _assembled(pieces: list[Callable[[], QWeight]], N: int) -> QWeight | None:
+    """QWeights of consecutive rows, made one at a time, as one [N, K] matrix (tiles are whole
+    rows, so they are copied in place); None where the pieces came out packed differently (a
+    bit width or scale form is decided per piece), and the caller packs the rows at once."""
+    first = pieces[0]()
+    if len(pieces) == 1:
+        return first
     q = torch.empty((N // 16, *first.q.shape[1:]), dtype=first.q.dtype)
-    q[: CHUNK_ROWS // 16] = first.q
-    small = {k: [getattr(first, k)] for k in ("scales", "mults", "bases")}
-    for start in range(CHUNK_ROWS, N, CHUNK_ROWS):
-        part = make(slice(start, start + CHUNK_ROWS))
-        if (part.bits, part.group, part.scales.dtype, part.mults is None) != sig:
-            del q
-            return make(None)
-        q[start // 16 : start // 16 + part.out_features // 16] = part.q
+    small = {k: [] for k in ("scales", "mults", "bases")}
+    at = 0
+    for make in pieces:
+        part = first if make is pieces[0] else make()
+        if _signature(part) != _signature(first) or part.in_features != first.in_features:
+            return None
+        q[at : at + part.out_features // 16] = part.q
+        at += part.out_features // 16
         for k in small:
             small[k].append(getattr(part, k))
     cat = {k: None if v[0] is None else torch.cat(v) for k, v in small.items()}
     return QWeight(first.bits, first.group, N, first.in_features, q, cat["scales"],
                    mults=cat["mults"], bases=cat["bases"])  # fmt: skip
+
+
+def _matrix(src: _Source, hf: str, wide: str, make: Callable = _qweight) -> QWeight:
+    """One matrix packed a block of rows at a time (`_blocks`); make: `_qweight` or `_head`."""
+    pieces = [partial(make, src, hf, wide, rows) for rows in _blocks(src, hf)]
+    return _assembled(pieces, src.shape(hf)[0]) or make(src, hf, wide, None)
 
 
 def _put(writer: PackWriter, path: str, w: QWeight, bias: torch.Tensor | None) -> dict:
@@ -310,11 +336,23 @@ def _group(src: _Source, names: list[str], wide: str) -> QWeight | None:
     bits = {_bits(src.type(hf), wide) for hf in hfs}
     if len(bits) != 1 or not all(_fits(src, hf) for hf in hfs):
         return None
-    levels = [_levels(src, hf, wide) for hf in hfs]
+    kinds = {src.type(hf) for hf in hfs}
+    if bits == {8} and len({_group_size(k) for k in kinds}) != 1:  # Q6_K (16) beside Q8_0 (32)
+        return None
+    pieces = [partial(_qweight, src, hf, wide, rows) for hf in hfs for rows in _blocks(src, hf)]
+    whole = _assembled(pieces, sum(src.shape(hf)[0] for hf in hfs))
+    if whole is not None:
+        return whole
+    levels = [_levels(src, hf, wide) for hf in hfs]  # the rows at once, as one decision
     if len({s.shape[1] for _, s, _ in levels}) != 1 or len({lo is None for *_, lo in levels}) != 1:
         return None
     q, scale, low = (None if x[0] is None else torch.cat(x) for x in zip(*levels))
     return QWeight.from_levels(q, scale, low, bits=bits.pop())
+
+
+def _group_size(kind: str) -> int:
+    """Values a scale covers in the 8-bit levels of a `kind` tensor: Q6_K's 16, else 32."""
+    return 16 if kind == "Q6_K" else 32
 
 
 def _biases(src: _Source, names: list[str]) -> torch.Tensor | None:
@@ -382,10 +420,10 @@ def pack_gguf(gf: GGUFFile, target: Path, wide: str = "int8", progress: bool = T
                         writer.add(f"{name}.bias", bias.to(torch.bfloat16))
                     meta["dense"].append(name)
                 elif name == HEAD_NAME:
-                    w = _chunked(partial(_head, src, hf), src.shape(hf)[0])
+                    w = _matrix(src, hf, wide, _head)
                     meta["linears"][name] = _put(writer, name, w, bias)
                 else:
-                    meta["linears"][name] = _put(writer, name, _qweight(src, hf, wide), bias)
+                    meta["linears"][name] = _put(writer, name, _matrix(src, hf, wide), bias)
                 if bar is not None:
                     bar.update(1)
             if HEAD_NAME not in linears:  # tied: the head packed from the embedding's blocks
@@ -393,7 +431,7 @@ def pack_gguf(gf: GGUFFile, target: Path, wide: str = "int8", progress: bool = T
                     shape = src.shape(EMBEDDING)
                     raise CloverError(f"{gf.path.name}: the tied LM head's shape {shape} does not "
                                       "fit the kernels")  # fmt: skip
-                w = _chunked(partial(_head, src, EMBEDDING), src.shape(EMBEDDING)[0])
+                w = _matrix(src, EMBEDDING, wide, _head)
                 meta["linears"][HEAD_NAME] = _put(writer, HEAD_NAME, w, None)
             if bar is not None:
                 bar.update(1)
