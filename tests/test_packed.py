@@ -271,12 +271,13 @@ def test_take_rows_equals_the_unpacked_rows():
 
 @pytest.mark.slow
 def test_a_7b_shaped_gguf_loads_within_its_size_plus_a_fixed_overhead(tmp_path):
-    """Qwen2.5-7B's layer shapes and vocabulary (hidden 3584, ffn 18944, 28/4 heads, 152,064
-    tokens; Q4_K layers and embedding, a Q6_K head) with two layers: the first start (packing
-    included) and a later one peak within the GGUF's size plus a fixed overhead, measured in a
-    child process each. README "Measured" scales it to the 28 layers of a real 7B."""
+    """Qwen2.5-7B's layer shapes (hidden 3584, ffn 18944, 28/4 heads; Q4_K layers and
+    embedding, a Q6_K head) with two layers and a 32K vocabulary: the first start (packing
+    included) peaks no higher than a later one, and a later one within what it holds (the
+    packed file, the float32 k-quant scales made at load) plus a fixed overhead, measured in a
+    child process each. docs/checkpoints.md scales it to a real 7B."""
     path = tmp_path / "7b.gguf"
-    config = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+    config = dict(vocab_size=32768, hidden_size=3584, intermediate_size=18944,
                   num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4)  # fmt: skip
     write_gguf(path, {n: "Q4_K" for n in _G}, embedding="Q4_K", head="Q6_K", config=config)
     size_mb = path.stat().st_size / 2**20
@@ -299,10 +300,19 @@ def test_a_7b_shaped_gguf_loads_within_its_size_plus_a_fixed_overhead(tmp_path):
     base = subprocess.run([sys.executable, "-c", "import torch, clover.checkpoints.loader; "
                            "from clover.bench.common import peak_rss_mb; print(peak_rss_mb())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    overhead = max(peaks) - size_mb - float(base.stdout.strip())
-    print(f"GGUF {size_mb:.0f} MB, peaks {peaks} MB, over file + import: {overhead:.0f} MB")
+    [pack_path] = (tmp_path / "cache").glob("gguf/*/*.pack")
+    pack = packed.PackFile(pack_path)
+    held_mb = pack_path.stat().st_size / 2**20  # read into memory whole
+    # the float32 scales made at load from the compact ones (4 bytes for each int8 multiple)
+    mults = [n for name, (_, _, _, n) in pack.index.items() if name.endswith(".mults")]
+    scales_mb = 4 * sum(mults) / 2**20
+    overhead = max(peaks) - held_mb - scales_mb - float(base.stdout.strip())
+    print(
+        f"GGUF {size_mb:.0f} MB, pack {held_mb:.0f} MB, float32 scales {scales_mb:.0f} MB, "
+        f"peaks {peaks} MB, beyond those and the import: {overhead:.0f} MB"
+    )
     assert peaks[0] <= peaks[1] * 1.05  # the first start peaks no higher than later ones
-    assert overhead < 0.35 * size_mb  # float32 k-quant scales made at load: ~0.25x
+    assert overhead < 150  # a fixed overhead: caches, a pass's activations, the allocator
 
 
 @pytest.mark.slow
