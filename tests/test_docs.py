@@ -98,3 +98,32 @@ def test_readme_is_short():
         pytest.skip("README.new.md has not replaced README.md yet")
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines; at most {MAX_README_LINES}"
+
+
+MAX_RESULT_BYTES = 512 * 1024
+WEIGHTS = ("src/clover/drafters", "src/clover/adapters")
+
+
+def test_results_in_the_tree_are_cited_and_small():
+    """benchmarks/results holds what a page quotes, as small files: a result no page cites is
+    removed (git keeps it; a new run writes it again), and a bulky one does not land. A new
+    result lands with the page that quotes it."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [
+        *pages(), ROOT / "MODEL_CARD.md", *sorted((ROOT / "model_cards").glob("*.md")),
+        *sorted((ROOT / "configs").glob("*"))])  # fmt: skip
+    files = sorted((ROOT / "benchmarks" / "results").iterdir())
+    uncited = [f.name for f in files if f.name not in text]
+    assert not uncited, f"results no page cites (cite them or remove them): {uncited[:5]}"
+    bulky = [f.name for f in files if f.stat().st_size > MAX_RESULT_BYTES]
+    assert not bulky, f"results over {MAX_RESULT_BYTES // 1024} KB: {bulky}"
+
+
+def test_only_the_shipped_weights_are_in_the_tree():
+    """The weights in the package are the files the registry ships, one each: a new revision
+    replaces its file (CONTRIBUTING.md), experiments' weights stay in runs/ (ignored)."""
+    from clover.checkpoints.registry import KNOWN_MODELS
+
+    shipped = {e.drafter_path for e in KNOWN_MODELS.values() if e.drafter}
+    shipped |= {e.adapter_path for e in KNOWN_MODELS.values() if e.adapter}
+    present = {p for d in WEIGHTS for p in (ROOT / d).glob("*") if p.is_file()}
+    assert {p.resolve() for p in present} == {p.resolve() for p in shipped}
