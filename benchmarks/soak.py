@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shlex
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from clover.bench import common
+from clover.bench.client import spawn_server
 from clover.checkpoints.registry import DEFAULT_MODEL
 from clover.data.bench_prompts import SOAK_PROMPTS
 
@@ -219,15 +219,7 @@ def rss_mb(pid: int) -> float | None:
 
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "clover.cli", "serve", "--model", model, "--port", "0"]
-    cmd += ["--max-queue", "64", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    banner = proc.stdout.readline()
-    if " at http://" not in banner:
-        proc.kill()
-        raise SystemExit(f"server did not start: {banner!r}")
-    url = banner.split(" at ", 1)[1].split(" ", 1)[0]
+    proc, url = spawn_server(["--model", model, "--max-queue", "64", *extra])
     wait_ready(url, proc)
     return proc, url
 

@@ -19,18 +19,23 @@ import httpx
 from clover.bench.common import machine, now, write_results
 
 
-def start_server(model: str, dtype: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`clover serve --model MODEL --dtype DTYPE FLAGS` on a free local port; -> (process,
-    base URL) once /health says ready (loading included, up to 10 minutes)."""
-    cmd = [sys.executable, "-m", "clover.cli", "serve", "--model", model, "--dtype", dtype]
-    cmd += ["--port", "0", *flags]
+def spawn_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """`clover serve FLAGS --port 0` started; -> (process, base URL) from its banner line,
+    before it is ready."""
+    cmd = [sys.executable, "-m", "clover.cli", "serve", "--port", "0", *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     banner = proc.stdout.readline()
     if " at http://" not in banner:
         proc.kill()
         raise SystemExit(f"server did not start: {banner!r}")
-    url = banner.split(" at ", 1)[1].split(" ", 1)[0]
+    return proc, banner.split(" at ", 1)[1].split(" ", 1)[0]
+
+
+def start_server(model: str, dtype: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`clover serve --model MODEL --dtype DTYPE FLAGS` on a free local port; -> (process,
+    base URL) once /health says ready (loading included, up to 10 minutes)."""
+    proc, url = spawn_server(["--model", model, "--dtype", dtype, *flags])
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
