@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from clover.bench.common import machine, now, write_results
-from clover.bench.quality import load_suite
+from clover.data.suite import load_suite
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
 from clover.engine import LLM

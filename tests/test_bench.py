@@ -13,9 +13,7 @@ import torch
 from clover import LLM
 from clover.bench.common import DecoderConfig, parse_configs
 from clover.bench.quality import (
-    KINDS,
     extract_number,
-    load_suite,
     repetition_rate,
     run_quality,
     score_answer,
@@ -30,6 +28,7 @@ from clover.bench.speed import (
     run_speed,
 )
 from clover.cli import main
+from clover.data.suite import KINDS, load_suite
 from clover.errors import CloverError
 
 

@@ -1,10 +1,10 @@
 import json
 import re
 
-from clover.bench.quality import load_suite
 from clover.data.bench_prompts import SPEED_PROMPTS
 from clover.data.distill import distill, done_ids, load_examples
 from clover.data.prompts import KINDS, PROMPT_SET_VERSION, prompt_set
+from clover.data.suite import load_suite
 
 
 def test_prompt_set_is_deterministic_and_split_by_id():

@@ -306,7 +306,7 @@ def test_our_checkpoint_is_the_published_layout_plus_ours(next_and_35, tmp_path)
 def test_info_reads_config_and_headers_only(pair, capsys, monkeypatch):
     """`clover info DIR`: parameters from config.json (the model on the meta device), no
     weights read; a tensor of the wrong shape is named."""
-    import clover.checkpoints.hf_dir as hf_dir
+    import clover.files
     from clover.cli import main
 
     family, hf, directory, ours = pair
@@ -314,7 +314,7 @@ def test_info_reads_config_and_headers_only(pair, capsys, monkeypatch):
     def no_reads(*a, **k):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr(hf_dir, "_read", no_reads)
+    monkeypatch.setattr(clover.files, "_read", no_reads)
     assert main(["info", str(directory), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["total_params"] == sum(p.numel() for p in ours.parameters())

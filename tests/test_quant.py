@@ -88,7 +88,7 @@ def test_int8_everywhere_bounds_the_logit_error_on_clover_tiny():
 
 def test_model_bytes_by_precision():
     from clover.models.clover import preset_config
-    from clover.quant import model_bytes
+    from clover.plan import model_bytes
 
     c = preset_config("clover-35b-a3b")
     assert model_bytes(c, "bfloat16") == 2 * c.num_params

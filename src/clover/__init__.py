@@ -1,6 +1,6 @@
 """Clover: block-diffusion language models on your own hardware."""
 
-__version__ = "0.1.0"
+from clover.version import __version__
 
 __all__ = ["LLM", "GenerationSettings", "CloverError", "__version__"]
 

@@ -284,7 +284,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     from clover.checkpoints import PRESETS, model_config, resolve
     from clover.checkpoints.hf_dir import check_dir
     from clover.models import make_config
-    from clover.quant import model_bytes
+    from clover.plan import model_bytes
 
     if a.model.endswith(".safetensors"):  # a drafter's or an adapter's file: its header
         info = _file_info(Path(a.model))
@@ -374,7 +374,7 @@ def _print_fields(info: dict) -> None:
 def _file_info(path: Path) -> dict:
     """What a drafter or adapter file is (read from its header, no weights loaded): its
     config, parameter count and how it was trained."""
-    from clover.checkpoints.hf_dir import read_header
+    from clover.files import read_header
 
     try:
         header = read_header(path)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from clover.checkpoints import DEFAULT_MODEL, load
+from clover.decoding.drafting import DrafterRunner
 from clover.decoding.loop import RowResult, generate
-from clover.decoding.policies import Policy, SelfSpec, make_policy
+from clover.decoding.policies import Policy, SelfSpec, check_model_defaults, make_policy
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.sampling import SamplingParams
 from clover.errors import CloverError
@@ -135,6 +136,11 @@ class LLM:
                       drafter=drafter, wide=wide)  # fmt: skip
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.config = self.model.config
+        check_model_defaults(self.config)  # a registry entry's decoding, checked before use
+        drafter_module = getattr(self.model, "drafter", None)
+        if drafter_module is not None and drafter_module.vocab is not None:
+            # its LM-head rows now (their x bits set by the load), not in the first answer
+            DrafterRunner.vocab_head(self.model, drafter_module)
         self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device
         self.resolved, self.directory = loaded.resolved, loaded.directory
         self.adapter, self.drafter = loaded.adapter, loaded.drafter

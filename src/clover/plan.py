@@ -1,4 +1,5 @@
-"""Memory per GPU for a deployment: weights (experts sharded, the rest replicated) plus the
+"""Bytes of a model's weights at each precision (`model_bytes`, from shapes alone) and memory
+per GPU for a deployment: weights (experts sharded, the rest replicated) plus the
 cache for one full-context sequence, for 1/2/4/8 GPUs at bfloat16 and int8.
 
 Expert parallelism splits the routed experts across GPUs (`MoE.shard`); attention, GDN, the
@@ -9,7 +10,10 @@ Activations, the CUDA context and allocator slack are not included: keep ~10% he
 
 from __future__ import annotations
 
-from clover.quant import model_bytes
+from torch import nn
+
+from clover.models import build_model
+from clover.quant import GROUP
 
 GPUS = (1, 2, 4, 8)
 
@@ -67,3 +71,36 @@ def format_plan(rows: list[dict]) -> str:
             f"{r['cache_gb_full_context']:>9} {r['total_gb']:>9}"
         )
     return "\n".join(lines)
+
+
+def model_bytes(config: object, dtype: str) -> int:
+    """Bytes of the weights at a precision, from shapes alone (the model is built on meta)."""
+    model = build_model(config, meta=True)
+    per = {"float32": 4, "bfloat16": 2}
+    total = 0
+    quantizable = set()
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, nn.Linear):
+                quantizable.add(id(child.weight))
+        for name in ("gate_up", "down"):
+            if isinstance(getattr(module, name, None), nn.Parameter) and hasattr(module, "router"):
+                quantizable.add(id(getattr(module, name)))
+    head = model.head_weight()
+    for p in model.parameters():
+        n = p.numel()
+        if dtype in per:
+            total += per[dtype] * n
+        elif id(p) == id(head) or (dtype == "int8" and id(p) in quantizable):
+            total += n + 2 * (n // p.shape[-1])  # int8 + a bf16 scale per row
+            if id(p) == id(head) and not hasattr(model, "lm_head"):
+                total += 2 * n  # a tied table is also kept in bf16 for the lookup
+        elif dtype == "int4" and id(p) in quantizable and p.dim() == 2:
+            n_out, n_in = p.shape
+            if n_in % GROUP == 0 and n_out % 16 == 0:
+                total += n // 2 + 4 * (n // GROUP)  # packed nibbles + bf16 scale and zero
+            else:
+                total += 2 * n
+        else:
+            total += 2 * n
+    return total

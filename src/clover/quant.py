@@ -393,41 +393,6 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return torch.ops.aten._weight_int8pack_mm(x, q, scale)
 
 
-def model_bytes(config: object, dtype: str) -> int:
-    """Bytes of the weights at a precision, from shapes alone (the model is built on meta)."""
-    from clover.models import build_model
-
-    model = build_model(config, meta=True)
-    per = {"float32": 4, "bfloat16": 2}
-    total = 0
-    quantizable = set()
-    for module in model.modules():
-        for child in module.children():
-            if isinstance(child, nn.Linear):
-                quantizable.add(id(child.weight))
-        for name in ("gate_up", "down"):
-            if isinstance(getattr(module, name, None), nn.Parameter) and hasattr(module, "router"):
-                quantizable.add(id(getattr(module, name)))
-    head = model.head_weight()
-    for p in model.parameters():
-        n = p.numel()
-        if dtype in per:
-            total += per[dtype] * n
-        elif id(p) == id(head) or (dtype == "int8" and id(p) in quantizable):
-            total += n + 2 * (n // p.shape[-1])  # int8 + a bf16 scale per row
-            if id(p) == id(head) and not hasattr(model, "lm_head"):
-                total += 2 * n  # a tied table is also kept in bf16 for the lookup
-        elif dtype == "int4" and id(p) in quantizable and p.dim() == 2:
-            n_out, n_in = p.shape
-            if n_in % GROUP == 0 and n_out % 16 == 0:
-                total += n // 2 + 4 * (n // GROUP)  # packed nibbles + bf16 scale and zero
-            else:
-                total += 2 * n
-        else:
-            total += 2 * n
-    return total
-
-
 def release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps them after many large frees)."""
     try:

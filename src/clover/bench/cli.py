@@ -245,7 +245,8 @@ def format_speed(report: dict) -> str:
 
 
 def cmd_quality(a: argparse.Namespace) -> int:
-    from clover.bench.quality import load_suite, run_quality
+    from clover.bench.quality import run_quality
+    from clover.data.suite import load_suite
     from clover.decoding.store import existing_store
     from clover.engine import LLM
 

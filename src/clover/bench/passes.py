@@ -17,7 +17,8 @@ least 128 MB, since a model that fits in its share of L3 reads at the cache's ra
 one streams from DRAM, which is slower), and PyTorch's bf16 and float32 matmuls. The matmul
 peak is the better of the two: a CPU without bfloat16 arithmetic multiplies bf16 so slowly
 that every weight bound would become a compute bound. The integer dots of short passes may
-beat the float peak. `pass_costs` is the timing harness that `decoding.costs` reuses.
+beat the float peak. The timing of one pass is `decoding.costs.pass_costs`, which the decode
+loop's draft lengths use too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from clover.decoding.costs import pass_costs
 
 WEIGHT_STAGES = ("qkv", "o", "gate_up", "down")
 ELEMENTWISE_STAGES = ("norms", "rope+cache", "silu*up", "residual")
@@ -51,70 +54,6 @@ def measure_machine(seconds: float = 0.5, read_bytes: int = 128 * 1024 * 1024) -
     for dtype, key in ((torch.bfloat16, "bf16_gflop_s"), (torch.float32, "fp32_gflop_s")):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         out[key] = round(rate(lambda a=a, b=b: a @ b, 2 * n**3), 1)
-    return out
-
-
-def _reset_after(cache: object, committed: int) -> Callable[[], None]:
-    """Undo a pass's commits (KV: the length; recurrent layers: their tracked state)."""
-    cache.enable_rollback()
-
-    def reset() -> None:
-        if committed:
-            cache.rollback(torch.full_like(cache.lengths, committed))
-
-    return reset
-
-
-def pass_costs(
-    model: torch.nn.Module,
-    widths: list[int],
-    batch: int = 1,
-    cache_tokens: int = 200,
-    reps: int = 10,
-    mode: str = "causal",
-    vocab: int | None = None,
-    profile: bool = False,
-    best: bool = False,
-) -> dict[int, dict]:
-    """{width: {"ms": median ms (with best: the fastest) of a pass of `width` tokens per row
-    + the head over them, "stages": {stage: ms} (fused layers, with profile)}} over a cache
-    of `cache_tokens`."""
-    from clover import kernels
-
-    vocab = vocab or model.config.vocab_size
-    device = next(model.parameters()).device  # the tokens come from a generator there
-    gen = torch.Generator(device=device).manual_seed(0)
-    # the stage clocks are the CPU kernels' (a model on another device has none to read)
-    module = kernels.load() if profile and device.type == "cpu" else None
-    out: dict[int, dict] = {}
-    with torch.inference_mode():
-        cache = model.make_cache(batch)
-        low = min(100, vocab // 2)  # past the special tokens of real vocabularies
-        prompt = torch.randint(low, vocab, (batch, cache_tokens), generator=gen, device=device)
-        model(prompt, cache, "causal")
-        for w in widths:
-            x = torch.randint(low, vocab, (batch, w), generator=gen, device=device)
-            reset = _reset_after(cache, w if mode == "causal" else 0)
-
-            def run(x: torch.Tensor = x, reset: Callable[[], None] = reset) -> None:
-                h = model(x, cache, mode)
-                model.logits(h)
-                reset()
-
-            run()
-            run()
-            if module is not None:
-                module.profile(True)
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                run()
-                times.append((time.perf_counter() - t0) * 1000)
-            stages = module.profile(False) if module is not None else {}
-            out[w] = {
-                "ms": min(times) if best else statistics.median(times),
-                "stages": {k: v * 1000 / reps for k, v in stages.items()},
-            }
     return out
 
 

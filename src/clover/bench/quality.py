@@ -19,53 +19,23 @@ library entry point; the CLI adds model loading, the results file and the plots.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
+from clover.data.suite import KINDS
 from clover.decoding.costs import model_costs
 from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 
-KINDS = ("code", "math", "fact", "open")
 CHECKED = ("code", "math", "fact")
-SUITE = "quality.jsonl"
 
 # --- the suite ---------------------------------------------------------------------------------
-
-
-def default_suite_path() -> Path:
-    """benchmarks/suites/quality.jsonl of the source tree (or of the working directory)."""
-    here = Path(__file__).resolve().parents[3] / "benchmarks" / "suites" / SUITE
-    return here if here.is_file() else Path("benchmarks") / "suites" / SUITE
-
-
-def load_suite(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
-    """Items of a suite file; `limit` keeps the first N of each kind in turn (so a short run
-    still covers every kind)."""
-    path = Path(path) if path else default_suite_path()
-    if not path.is_file():
-        raise CloverError(f"suite file not found: {path}")
-    items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        item = json.loads(line)
-        if item.get("kind") not in KINDS or not item.get("prompt") or not item.get("id"):
-            raise CloverError(f"{path}:{n}: an item needs id, prompt and kind in {KINDS}")
-        items.append(item)
-    if limit is not None:
-        by_kind = {k: [i for i in items if i["kind"] == k] for k in KINDS}
-        rounds = [by_kind[k][j] for j in range(len(items)) for k in KINDS if j < len(by_kind[k])]
-        items = rounds[:limit]
-    return items
 
 
 # --- scoring one answer --------------------------------------------------------------------------

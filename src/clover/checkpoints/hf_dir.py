@@ -14,16 +14,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Container, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
 
 from clover.errors import CloverError
-from clover.hf import native_config
+from clover.exported import native_config
+from clover.files import SAFETENSORS_DTYPES, read_safetensors, safetensors_header
 from clover.models import DiffusionLM, architecture, build_model, make_config
 
 CONFIG = "config.json"
@@ -65,99 +64,11 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def read_safetensors(
-    files: Iterable[Path], dtype: torch.dtype | None = None, later: Container[str] = ()
-) -> dict[str, torch.Tensor]:
-    """All tensors of the files, read one at a time and converted to `dtype` on the way;
-    the names in `later` become meta tensors of their shape (not read: `read_tensor` reads
-    one when it is wanted, e.g. a weight that the int4 kernel takes from its levels).
-
-    Plain reads, not a memory map: a mapped file's pages count as resident memory, so mapping
-    a float32 checkpoint to build a bfloat16 model would double the peak footprint.
-    """
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        with _open(f) as (fh, base, header):
-            for name, info in header.items():
-                if name in later:
-                    shape, kind = info["shape"], SAFETENSORS_DTYPES[info["dtype"]]
-                    state[name] = torch.empty(shape, dtype=dtype or kind, device="meta")
-                    continue
-                t = _read(f, fh, base, name, info)
-                state[name] = t if dtype is None or not t.is_floating_point() else t.to(dtype)
-    return state
-
-
-def read_tensor(files: Iterable[Path], name: str) -> torch.Tensor:
-    """One tensor, as stored, from whichever of the files holds it."""
-    for f in files:
-        with _open(f) as (fh, base, header):
-            if name in header:
-                return _read(f, fh, base, name, header[name])
-    raise CloverError(f"no tensor {name} in {', '.join(str(f) for f in files)}")
-
-
-def read_header(path: Path) -> dict:
-    """A safetensors file's JSON header, `__metadata__` included, without reading tensors.
-    Raises OSError, or ValueError when the file has no sound header."""
-    path = Path(path)
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        if not 0 < n <= min(path.stat().st_size - 8, 1 << 24):
-            raise ValueError("no safetensors header")
-        return json.loads(fh.read(n))
-
-
-@contextmanager
-def _open(f: Path) -> Iterator[tuple]:
-    """-> (file handle, offset of the data, header without metadata)."""
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header length past the end of the file")
-            header = json.loads(fh.read(n))
-            header.pop("__metadata__", None)
-            for name, info in header.items():
-                if 8 + n + info["data_offsets"][1] > size:
-                    raise ValueError(f"tensor {name} runs past the end of the file")
-            yield fh, 8 + n, header
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise CloverError(f"cannot read {f} (truncated or not safetensors?): {e}") from None
-
-
-def _read(f: Path, fh: BinaryIO, base: int, name: str, info: dict) -> torch.Tensor:
-    start, end = info["data_offsets"]
-    try:
-        fh.seek(base + start)
-        buf = bytearray(end - start)
-        fh.readinto(buf)
-        t = torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info["dtype"]])
-        return t.reshape(info["shape"]) if buf else t.new_empty(info["shape"])
-    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as e:
-        raise CloverError(f"cannot read {name} from {f} (truncated?): {e}") from None
-
-
 def read_hf_dir(
-    directory: Path, dtype: torch.dtype | None = None, later: Container[str] = ()
+    directory: Path, dtype: torch.dtype | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_config(directory)
-    return config, read_safetensors(safetensors_files(directory), dtype, later)
+    return config, read_safetensors(safetensors_files(directory), dtype)
 
 
 def check_state(model: DiffusionLM, state: dict[str, torch.Tensor], source: str) -> None:
@@ -185,7 +96,7 @@ def check_dir(directory: Path) -> object:
     model = build_model(config, meta=True)
     state: dict[str, torch.Tensor] = {}
     for f in safetensors_files(directory):
-        with _open(f) as (_, _, header):
+        with safetensors_header(f) as (_, _, header):
             for name, info in header.items():
                 kind = SAFETENSORS_DTYPES.get(info["dtype"], torch.float32)
                 state[name] = torch.empty(info["shape"], dtype=kind, device="meta")

@@ -29,7 +29,6 @@ from clover.checkpoints.gguf_tokenizer import convert_gguf_tokenizer
 from clover.checkpoints.hf_dir import CONFIG, model_from_state, read_config, read_hf_dir
 from clover.checkpoints.packed import PACK_VERSION, PackError, PackFile, load_packed, pack_gguf
 from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
-from clover.decoding.policies import check_model_defaults
 from clover.errors import CloverError
 from clover.files import atomic_write_text
 from clover.models import make_config
@@ -288,7 +287,6 @@ def load(
         mask_from_tokenizer(net.config, tokenizer)
     if str(drafter) == "none":
         drafter = None
-    check_model_defaults(net.config)
     if adapter is not None:
         from clover.models.adapter import load_adapter
 
@@ -329,11 +327,6 @@ def load(
         from clover.quant import set_dots_x
 
         set_dots_x(net, resolved.entry.dots_x)
-    if getattr(net, "drafter", None) is not None and net.drafter.vocab is not None:
-        from clover.decoding.drafting import DrafterRunner
-
-        # its LM-head rows now (their x bits set above), not in the first answer
-        DrafterRunner.vocab_head(net, net.drafter)
     return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter)
 
 

@@ -31,6 +31,7 @@ from clover.data.prompts import PROMPT_SET_VERSION, prompt_set
 from clover.data.self_prompts import VERSION as SELF_VERSION
 from clover.data.self_prompts import self_prompt_set
 from clover.errors import CloverError
+from clover.files import truncate_torn_tail
 
 
 def done_ids(path: Path) -> set[str]:
@@ -116,7 +117,7 @@ def distill(
         elsewhere |= done_ids(other / "distill.jsonl")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "distill.jsonl"
-    _truncate_torn_tail(path)
+    truncate_torn_tail(path)
     done = done_ids(path)
     llm = LLM(model, dtype=dtype, progress=progress, device=str(dev))
     for other in skip:  # another teacher's answers are no reason to leave a prompt out
@@ -271,18 +272,6 @@ def _check_meta(out_dir: Path, meta: dict, done: set[str]) -> None:
             f"{out_dir} holds {len(done)} answers made differently ({', '.join(diff)}); "
             "distil into a new --out directory (nothing was changed here)"
         )
-
-
-def _truncate_torn_tail(path: Path) -> None:
-    """Drop a half-written last line (a killed run) so appends start on a clean line."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return
-    cut = data.rfind(b"\n") + 1
-    with open(path, "r+b") as f:
-        f.truncate(cut)
 
 
 def load_examples(path: Path, split: str | None = None) -> list[dict]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from clover.data.prompts import prompt_id, split_of
 from clover.errors import CloverError
+from clover.files import truncate_torn_tail
 
 VERSION = 1  # bumped when the openings or the filters change what a seed gives
 
@@ -54,8 +55,8 @@ def benchmark_questions() -> set[str]:
     """First sentences (normalised) of the quality suite's and the speed bench's prompts: a
     self prompt that asks one of them is dropped, so acceptance measured there stays measured
     on prompts no drafter trained on."""
-    from clover.bench.quality import default_suite_path, load_suite
     from clover.data.bench_prompts import SPEED_PROMPTS
+    from clover.data.suite import default_suite_path, load_suite
 
     out = {_first_sentence(p) for p in SPEED_PROMPTS}
     if default_suite_path().is_file():
@@ -125,13 +126,12 @@ def self_prompt_set(llm: object, n: int, out_dir: Path, *, seed: int = 0,
     """`n` prompts written by `llm` (resumable; fewer if `max_minutes` runs out first)."""
     import time
 
-    from clover.data.distill import _truncate_torn_tail
     from clover.decoding.loop import BatchDecoder
     from clover.decoding.sampling import SamplingParams
     from clover.engine import GenerationSettings
 
     path = Path(out_dir) / "self_prompts.jsonl"
-    _truncate_torn_tail(path)
+    truncate_torn_tail(path)
     attempts = read_attempts(path)
     records = to_records(attempts)
     if len(records) >= n:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,8 +165,6 @@ def costs_path(key: str) -> Path:
 def measure(model: torch.nn.Module, drafter: object = None, reps: int = 5,
             widths: tuple[int, ...] = WIDTHS) -> PassCosts:  # fmt: skip
     """Time causal passes of each width over a cache of 256 tokens (the bench harness)."""
-    from clover.bench.passes import pass_costs
-
     cached = min(256, model.context_length // 2)  # what a typical prompt leaves in the cache
     widths = tuple(w for w in widths if cached + w <= model.context_length)
     # the fastest of the repetitions: what the machine can do (other work only slows a run,
@@ -224,3 +224,70 @@ def model_costs(model: torch.nn.Module, drafter: bool = False) -> PassCosts:
         else f"{type(head).__name__}:{getattr(w, 'bits', '')}:{getattr(w, 'group', '')}"
     )
     return cached_costs(model, label, model.drafter if drafter else None)
+
+
+# --- timing one pass -------------------------------------------------------------------------
+
+
+def _reset_after(cache: object, committed: int) -> Callable[[], None]:
+    """Undo a pass's commits (KV: the length; recurrent layers: their tracked state)."""
+    cache.enable_rollback()
+
+    def reset() -> None:
+        if committed:
+            cache.rollback(torch.full_like(cache.lengths, committed))
+
+    return reset
+
+
+def pass_costs(
+    model: torch.nn.Module,
+    widths: list[int],
+    batch: int = 1,
+    cache_tokens: int = 200,
+    reps: int = 10,
+    mode: str = "causal",
+    vocab: int | None = None,
+    profile: bool = False,
+    best: bool = False,
+) -> dict[int, dict]:
+    """{width: {"ms": median ms (with best: the fastest) of a pass of `width` tokens per row
+    + the head over them, "stages": {stage: ms} (fused layers, with profile)}} over a cache
+    of `cache_tokens`."""
+    from clover import kernels
+
+    vocab = vocab or model.config.vocab_size
+    device = next(model.parameters()).device  # the tokens come from a generator there
+    gen = torch.Generator(device=device).manual_seed(0)
+    # the stage clocks are the CPU kernels' (a model on another device has none to read)
+    module = kernels.load() if profile and device.type == "cpu" else None
+    out: dict[int, dict] = {}
+    with torch.inference_mode():
+        cache = model.make_cache(batch)
+        low = min(100, vocab // 2)  # past the special tokens of real vocabularies
+        prompt = torch.randint(low, vocab, (batch, cache_tokens), generator=gen, device=device)
+        model(prompt, cache, "causal")
+        for w in widths:
+            x = torch.randint(low, vocab, (batch, w), generator=gen, device=device)
+            reset = _reset_after(cache, w if mode == "causal" else 0)
+
+            def run(x: torch.Tensor = x, reset: Callable[[], None] = reset) -> None:
+                h = model(x, cache, mode)
+                model.logits(h)
+                reset()
+
+            run()
+            run()
+            if module is not None:
+                module.profile(True)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                run()
+                times.append((time.perf_counter() - t0) * 1000)
+            stages = module.profile(False) if module is not None else {}
+            out[w] = {
+                "ms": min(times) if best else statistics.median(times),
+                "stages": {k: v * 1000 / reps for k, v in stages.items()},
+            }
+    return out

@@ -24,10 +24,9 @@ Decisions, and why:
 
 from __future__ import annotations
 
+from clover.exported import ARCHITECTURE_KEY, MODEL_TYPE, hf_config, native_config
 from clover.hf.hooks import when_imported
 
-MODEL_TYPE = "clover"
-ARCHITECTURE_KEY = "clover_architecture"
 CONFIG_MODULE = "transformers.models.auto.configuration_auto"
 
 __all__ = [
@@ -41,24 +40,6 @@ __all__ = [
 ]
 
 
-def native_config(d: dict) -> dict:
-    """An exported config dict -> the dict our architectures expect (others pass through)."""
-    if not isinstance(d, dict) or d.get("model_type") != MODEL_TYPE:
-        return d
-    d = dict(d)
-    d["model_type"] = d.pop(ARCHITECTURE_KEY, "llama")
-    return d
-
-
-def hf_config(d: dict) -> dict:
-    """Our config dict -> the exported config.json (model_type transformers maps to us)."""
-    d = dict(d)
-    d[ARCHITECTURE_KEY] = d.get("model_type", "llama")
-    d["model_type"] = MODEL_TYPE
-    d["architectures"] = ["CloverForCausalLM"]
-    return d
-
-
 def _supported() -> bool:
     import transformers
 
@@ -70,10 +51,11 @@ def _register_config(_module: object = None) -> None:
         return  # the hook stays silent: transformers 4 keeps working, just without our classes
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, AutoConfig
 
-    from clover.hf.config import CloverConfig
+    from clover.hf.config import CloverConfig  # transformers, imported only once it is loaded
 
     if MODEL_TYPE not in CONFIG_MAPPING:
         AutoConfig.register(MODEL_TYPE, CloverConfig)
+        CloverConfig.on_first_build = register_model
 
 
 def register_model() -> None:

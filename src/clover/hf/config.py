@@ -6,15 +6,15 @@ untouched. A few keys are declared here because transformers would otherwise rew
 `rope_theta` / `rope_scaling` would be folded into its `rope_parameters`, and
 `tie_word_embeddings` is read by its weight-tying logic. Their defaults equal ours.
 
-Building one registers the model class (see `clover.hf`): a config is built exactly when a
-checkpoint of ours is about to be loaded.
+Building one calls `on_first_build` once, which `clover.hf` sets to register the model class:
+a config is built exactly when a checkpoint of ours is about to be loaded.
 """
 
 from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
-from clover.hf import ARCHITECTURE_KEY, MODEL_TYPE, register_model
+from clover.exported import ARCHITECTURE_KEY, MODEL_TYPE
 
 __all__ = ["CloverConfig"]
 
@@ -27,9 +27,13 @@ class CloverConfig(PreTrainedConfig):
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
 
+    on_first_build = None  # a callable, run once when the first config is built
+
     def __post_init__(self, **kwargs: object) -> None:
         super().__post_init__(**kwargs)
-        register_model()
+        hook, type(self).on_first_build = type(self).on_first_build, None
+        if hook is not None:
+            hook()
 
     def clover_dict(self, names: set[str]) -> dict:
         """The values of our config's fields `names` that this config holds, with our

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from clover.errors import CloverError
-from clover.files import atomic_write
+from clover.files import atomic_write, read_header, read_safetensors
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -200,7 +200,6 @@ def save_adapter(model: nn.Module, path: Path, dtype: torch.dtype = torch.bfloat
 
 
 def read_adapter_config(path: Path) -> AdapterConfig:
-    from clover.checkpoints.hf_dir import read_header
 
     path = Path(path)
     try:
@@ -212,7 +211,6 @@ def read_adapter_config(path: Path) -> AdapterConfig:
 
 def load_adapter(model: nn.Module, path: Path) -> DraftAdapter:
     """Attach the adapter stored at `path` to `model` (weights in the model's float dtype)."""
-    from clover.checkpoints.hf_dir import read_safetensors
 
     config = read_adapter_config(path)
     adapter = attach_adapter(model, config)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clover.errors import CloverError
-from clover.files import atomic_write
+from clover.files import atomic_write, read_header
 from clover.models.base import on_meta
 from clover.models.cache import KVCache, ModelCache
 from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
@@ -492,7 +492,6 @@ def save_drafter(drafter: Drafter, path: Path, dtype: torch.dtype = torch.bfloat
 
 
 def read_drafter_config(path: Path) -> DrafterConfig:
-    from clover.checkpoints.hf_dir import read_header
 
     path = Path(path)
     try:

@@ -47,7 +47,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from clover import __version__
 from clover.engine import LLM
 from clover.serving import anthropic, openai_responses, schemas
 from clover.serving.constraints import JsonRule, TextRule, TokenConstraint, answer_rule
@@ -61,6 +60,7 @@ from clover.serving.runtime import ClientGone, Runtime
 from clover.serving.security import TENANT, ApiKeyMiddleware, HostGuard, read_body
 from clover.serving.tenants import Tenant
 from clover.serving.tools import call_rule, call_schema
+from clover.version import __version__
 
 log = logging.getLogger("clover.serve")
 STATIC = Path(__file__).parent / "static"
