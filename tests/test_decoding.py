@@ -42,7 +42,6 @@ def test_greedy_draws_take_the_arg_max_and_skip_the_softmax_where_no_row_reads_i
     probability; a step whose rows select by no confidence (ar, self_spec) draws the arg-max
     alone, and decodes exactly what it did with the softmax; low_confidence gets its
     confidences."""
-    from clover.decoding import loop
     from clover.decoding.sampling import sample
 
     torch.manual_seed(0)
@@ -55,9 +54,11 @@ def test_greedy_draws_take_the_arg_max_and_skip_the_softmax_where_no_row_reads_i
     assert torch.equal(alone, tokens) and none is None
 
     asked: list[bool] = []
-    real = loop.sample
-    monkeypatch.setattr(loop, "sample", lambda *a, **kw: (asked.append(kw["confidence"]),
-                                                          real(*a, **kw))[1])  # fmt: skip
+    import clover.decoding.sampling as sampling  # the batch's greedy draw (`greedy_picks`)
+
+    real = sampling.sample
+    monkeypatch.setattr(sampling, "sample", lambda *a, **kw: (asked.append(kw["confidence"]),
+                                                              real(*a, **kw))[1])  # fmt: skip
     policies = [make_policy("ar"), make_policy("self_spec", 4, draft="lookup"),
                 LowConfidence(block_size=4, threshold=0.5)]  # fmt: skip
     fast = []
@@ -65,7 +66,8 @@ def test_greedy_draws_take_the_arg_max_and_skip_the_softmax_where_no_row_reads_i
         asked.clear()
         fast.append(run(model, PROMPTS, p)[0])
         assert asked and set(asked) == {wanted}, p
-    monkeypatch.setattr(loop, "sample", lambda *a, **kw: real(*a, **{**kw, "confidence": True}))
+    monkeypatch.setattr(sampling, "sample",
+                        lambda *a, **kw: real(*a, **{**kw, "confidence": True}))  # fmt: skip
     for p, got in zip(policies, fast):
         want, _ = run(model, PROMPTS, p)
         assert [r.tokens for r in got] == [r.tokens for r in want]

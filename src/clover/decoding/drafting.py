@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from clover.decoding.sampling import draw_drafts
 from clover.models.drafter import Drafter
 from clover.models.layout import StepLayout
 
@@ -204,6 +205,93 @@ class DrafterRunner:
                 # the next pass reads its draft (`pick` sees them all)
                 ids = (last.argmax(-1) if pick is None else pick(i, last))[:, None]  # [B, 1]
             return out
+
+    def draft_for(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
+                  keep: list[int], mask_id: int | None) -> None:  # fmt: skip
+        """After a pass: the drafter takes the features of what each drafting row kept
+        (features [B, T, F], kept [B]), then drafts the next block for the rows that stay
+        (`keep`) and want one, in one pass for all; each row takes its drafts (`take_drafts`).
+        rows: the batch's rows (a SpecRow drafts with `uses_drafter`)."""
+        drafting = [getattr(r, "uses_drafter", False) for r in rows]
+        kept = torch.where(torch.tensor(drafting), kept, 0)
+        # in a batch every row's pass is padded to the widest: a row whose draft lengths follow
+        # the measured costs drafts only while it runs alone, since its drafts would widen every
+        # row's pass and the batch would run slower than `ar`; fixed-length rows always draft
+        alone = len(keep) == 1
+        lengths = [r.drafter_length() if d and k in keep and (alone or r.costs is None) else 0
+                   for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
+        # only the rows that draft now take their features into the drafter's context
+        self.commit(features, kept, [n > 0 for n in lengths])
+        if max(lengths) == 0:
+            return
+        first = torch.tensor([r.pending[-1] if r.pending else 0 for r in rows])
+        # greedy rows of a tree policy draft trees: a chain drafter grows them (one pass per
+        # depth), a block drafter's are its chain and the other guesses beside it (leaf_tree)
+        trees = [n > 0 and r.grows_tree for r, n in zip(rows, lengths)]
+        if self.drafter.config.chain and any(trees):
+            self._grow_trees(rows, first, lengths, trees, mask_id)
+            lengths = [0 if t else n for n, t in zip(lengths, trees)]
+            if max(lengths) == 0:
+                return
+        self._draft_chains(rows, first, lengths, trees, mask_id)
+
+    def _grow_trees(self, rows: list, first: torch.Tensor, lengths: list[int],
+                    trees: list[bool], mask_id: int | None) -> None:  # fmt: skip
+        """A chain drafter's trees for the rows in `trees`, one pass per depth."""
+        grown = self.draft_tree(
+            first, max(n for n, t in zip(lengths, trees) if t),
+            [r.policy.tree if t else 0 for r, t in zip(rows, trees)],
+            [n if t else 0 for n, t in zip(lengths, trees)],
+            lambda b, branch: rows[b].context.follower(branch) if trees[b] else None,
+            mask_id,
+        )  # fmt: skip
+        for r, t, (tokens, parents) in zip(rows, trees, grown):
+            if t:
+                r.take_drafts(None, r.sampling, (tokens, None), parents)
+
+    def _draft_chains(self, rows: list, first: torch.Tensor, lengths: list[int],
+                      trees: list[bool], mask_id: int | None) -> None:  # fmt: skip
+        """Drafts of `lengths[b]` tokens for each row (a block drafter's trees from them)."""
+        qs: list[list[torch.Tensor]] = [[] for _ in lengths]  # a sampling row's q, [1, V] each
+        tails: list[list[int]] = [[] for _ in lengths]  # a chain drafter's drafts of each row
+
+        def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
+            """A chain drafter's draft at position i + 1 of every row (logits [B, V]): the
+            arg-max, or a sampling row's draw from the distribution it will be verified
+            against (kept as its q), so its later positions read the token it will really
+            propose."""
+            for b, (r, n) in enumerate(zip(rows, lengths)):
+                copy = r.context.follower(tails[b]) if self.COPY_BONUS and i < n else None
+                if copy is not None:  # the drafter's guess leans to what the context repeats
+                    logits[b, copy] += self.COPY_BONUS
+            if mask_id is not None:
+                logits[:, mask_id] = float("-inf")
+            ids = logits.argmax(-1)
+            for b, (r, n) in enumerate(zip(rows, lengths)):
+                if i < n and not r.sampling.greedy:
+                    drawn, q = draw_drafts(logits[b : b + 1], r.sampling, r.gen)
+                    ids[b] = drawn[0]
+                    qs[b].append(q)
+            for b, t in enumerate(ids.tolist()):
+                tails[b].append(t)
+            return ids
+
+        with torch.inference_mode():
+            logits = self.draft(first, max(lengths) + 1, pick)  # [B, w - 1, V]
+            if mask_id is not None:
+                logits[..., mask_id] = float("-inf")
+            chosen = tails if tails[0] else None  # a block drafter never picks
+            for b, (r, n, row_logits) in enumerate(zip(rows, lengths, logits)):
+                if not n:
+                    continue
+                if trees[b]:  # a block drafter's tree
+                    chain = row_logits[:n].argmax(-1).tolist()
+                    tokens, parents = leaf_tree(row_logits[:n], chain, r.policy.tree)
+                    r.take_drafts(row_logits[:n], r.sampling, (tokens, None), parents)
+                    continue
+                drawn = None if chosen is None else (
+                    chosen[b][:n], torch.cat(qs[b]) if qs[b] else None)  # fmt: skip
+                r.take_drafts(row_logits[:n], r.sampling, drawn)
 
     FRONTIER = 8  # a tree's nodes per depth that the drafter drafts after (EAGLE-2's top-k)
 

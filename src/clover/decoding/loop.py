@@ -29,18 +29,16 @@ import torch
 
 from clover.decoding.constraints import LogitsConstraint
 from clover.decoding.costs import PassCosts, model_costs, relax_shared
-from clover.decoding.drafting import DrafterRunner, leaf_tree
+from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy
 from clover.decoding.prefix_cache import PrefixCache
-from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, draw_drafts, first_eos
-from clover.decoding.sampling import SamplingParams, sample
+from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
+from clover.decoding.sampling import SamplingParams, greedy_picks
 from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 from clover.models.base import DiffusionLM
 
 __all__ = ["BatchDecoder", "Commit", "RowResult", "StepEvent", "generate"]
-
-GREEDY = SamplingParams()
 
 
 @dataclass
@@ -49,6 +47,17 @@ class Commit:
     index: int  # position in the answer (0 = first generated token)
     token: int
     step: int  # the row's denoising step that committed it (1-based)
+
+
+@dataclass
+class _Pass:
+    """One step's forward: hidden [B, T, D] (None: no row had tokens), the drafter's features
+    [B, T, F] (None without a drafter), each row's committed count [B], the width T."""
+
+    hidden: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+    n_commit: torch.Tensor | None = None
+    width: int = 0
 
 
 @dataclass
@@ -399,202 +408,165 @@ class BatchDecoder:
         t0 = time.perf_counter()
         self._busy = True
         self.step_count += 1
-        model, active, mask_id = self.model, self.active, self.mask_id
-        plans = [r.plan(mask_id) for r in active]
-        if len(active) > 1:
-            plans = self._fit_lookup_drafts(plans)
+        plans = self._plan()
+        out = self._forward(plans)
+        logits, counts = self._logits(plans, out.hidden)
+        event, keep, rollback = self._update(plans, logits, counts, out.width)
+        self._settle(plans, out, rollback, keep)
+        self._finish(keep)
+        event.seconds = time.perf_counter() - t0
+        return event
+
+    def _plan(self) -> list[tuple[list[int], int]]:
+        """Each row's (tokens of this pass, how many lead to commit causally); in a batch a
+        context-lookup draft fills only what the other rows' passes take anyway."""
+        plans = [r.plan(self.mask_id) for r in self.active]
+        return self._fit_lookup_drafts(plans) if len(self.active) > 1 else plans
+
+    def _forward(self, plans: list[tuple[list[int], int]]) -> _Pass:
+        """The rows' plans padded into one pass over the shared cache (none when no row has
+        tokens); what each row commits is added to its `committed`."""
         T = max((len(tokens) for tokens, _ in plans), default=0)
-        hidden = None
-        if T:
-            # one host-to-device copy for the whole batch (a GPU step pays per copy)
-            rows = [tokens + [mask_id] * (T - len(tokens)) for tokens, _ in plans]
-            ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-            n_valid = torch.tensor([len(t) for t, _ in plans])
-            n_commit = torch.tensor([c for _, c in plans])
-            capture = self.drafting.layers if self.drafting is not None else ()
-            trees = [r.tree() if isinstance(r, SpecRow) else None for r in active]
-            tree = None
-            if any(t is not None for t in trees):  # rows verifying trees of drafts
-                tree = torch.arange(-1, T - 1).repeat(len(active), 1)
-                for k, t in enumerate(trees):
-                    if t is not None:
-                        tree[k, : len(t)] = torch.tensor(t)
-            with torch.inference_mode():
-                hidden = model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid,
-                               capture=capture, tree=tree)  # fmt: skip
-            if capture:
-                hidden, features = hidden
-            for r, (tokens, n) in zip(active, plans):
-                r.committed += tokens[:n]
+        if not T:
+            return _Pass()
+        # one host-to-device copy for the whole batch (a GPU step pays per copy)
+        rows = [tokens + [self.mask_id] * (T - len(tokens)) for tokens, _ in plans]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        n_valid = torch.tensor([len(t) for t, _ in plans])
+        n_commit = torch.tensor([c for _, c in plans])
+        capture = self.drafting.layers if self.drafting is not None else ()
+        with torch.inference_mode():
+            hidden = self.model(ids, self.cache, "block", n_commit=n_commit, n_valid=n_valid,
+                                capture=capture, tree=self._tree_parents(T))  # fmt: skip
+        features = None
+        if capture:
+            hidden, features = hidden
+        for r, (tokens, n) in zip(self.active, plans):
+            r.committed += tokens[:n]
+        return _Pass(hidden, features, n_commit, T)
+
+    def _tree_parents(self, T: int) -> torch.Tensor | None:
+        """[B, T] each pass position's parent when a row verifies a tree of drafts (a chain
+        elsewhere: position i's parent is i - 1), else None."""
+        trees = [r.tree() if isinstance(r, SpecRow) else None for r in self.active]
+        if all(t is None for t in trees):
+            return None
+        tree = torch.arange(-1, T - 1).repeat(len(self.active), 1)
+        for k, t in enumerate(trees):
+            if t is not None:
+                tree[k, : len(t)] = torch.tensor(t)
+        return tree
+
+    def _logits(
+        self, plans: list[tuple[list[int], int]], hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """The logits every row needs, in one call: -> (logits [N, V] or None, rows' counts)."""
         wanted, counts = [], []
-        for k, r in enumerate(active):
+        for k, r in enumerate(self.active):
             if plans[k][0]:
                 r.result.nfe += 1
             vectors = r.wanted(None if hidden is None else hidden[k], plans[k][1])
             wanted += vectors
             counts.append(len(vectors))
-        logits = None
-        if wanted:
-            with torch.inference_mode():
-                logits = model.logits(torch.stack(wanted))  # [N, V]
-                if self.config.mask_token_id is not None:
-                    logits[:, self.config.mask_token_id] = float("-inf")  # never an answer
-        # greedy rows without constraints take their tokens from one batched `sample` (row by
-        # row, each would be a few ops, and on a GPU a host sync)
+        if not wanted:
+            return None, counts
+        with torch.inference_mode():
+            logits = self.model.logits(torch.stack(wanted))  # [N, V]
+            if self.config.mask_token_id is not None:
+                logits[:, self.config.mask_token_id] = float("-inf")  # never an answer
+        return logits, counts
+
+    def _update(
+        self, plans: list, logits: torch.Tensor | None, counts: list[int], width: int
+    ) -> tuple[StepEvent, list[int], torch.Tensor]:
+        """Every row takes its logits and commits; -> (the step's event, the rows that stay,
+        the tokens each row rolls back)."""
+        active = self.active
         plain = [r.constraint is None and r.sampling.greedy for r in active]
-        greedy = None
-        if logits is not None and any(plain):
-            confident = any(p and r.policy.uses_confidence for p, r in zip(plain, active))
-            tokens, conf = sample(logits, GREEDY, confidence=confident)
-            greedy = [tokens.cpu(), None if conf is None else conf.cpu()]
+        greedy = greedy_picks(logits, plain, [r.policy.uses_confidence for r in active])
         n_rows = sum(1 for t, _ in plans if t)
-        event = StepEvent(self.step_count, [], {}, {}, n_rows, T * len(active), 0.0)
+        event = StepEvent(self.step_count, [], {}, {}, n_rows, width * len(active), 0.0)
         rollback = torch.zeros(len(active), dtype=torch.long)
         keep, start = [], 0
-        store = existing_store(model)
         for k, r in enumerate(active):
             row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
+            picked = None
             if plain[k] and greedy is not None:
                 picked = tuple(None if g is None else g[start : start + counts[k]]
                                for g in greedy)  # fmt: skip
-                commits, rollback[k] = r.update(row_logits, r.sampling, r.eos, picked)
-            else:
-                commits, rollback[k] = r.update(row_logits, r.sampling, r.eos)
+            commits, rollback[k] = r.update(row_logits, r.sampling, r.eos, picked)
             start += counts[k]
             if self.on_logits is not None:
                 self.on_logits(r.index, row_logits, commits)
             event.commits += [Commit(r.index, i, t, r.steps) for i, t in commits]
-            reason = r.finish_reason(r.eos)
-            final = r.final_tokens()
-            cut = first_eos(final, r.eos)
-            final = final[: min(r.max_new, len(final) if cut is None else cut)]
-            if len(final) > r.emitted:
-                event.final[r.index] = final[r.emitted :]
-                r.emitted = len(final)
-                if r.stop is not None and r.stop(r.index, final):
-                    reason = "stop"
-            if reason is None:
+            if self._emit(r, event):
                 keep.append(k)
-                continue
-            r.result.tokens = final
-            if store is not None:  # later answers may draft from this one
-                store.learn(r.prompt + final)
-            r.result.steps = r.answer_steps[: len(final)]
-            if len(r.result.steps) < len(final):  # ended mid-block by the caller's stop
-                r.result.steps += r.block_steps[: len(final) - len(r.result.steps)]
-            r.result.finish_reason = reason
-            event.finished[r.index] = reason
-        for k, r in enumerate(active):  # a tree's kept branch moves up behind its root
+        return event, keep, rollback
+
+    def _emit(self, r: Row, event: StepEvent) -> bool:
+        """The row's newly final tokens into the event; a row that ends is finalised (its
+        result, the n-gram store taught its answer). -> whether the row goes on."""
+        reason = r.finish_reason(r.eos)
+        final = r.final_tokens()
+        cut = first_eos(final, r.eos)
+        final = final[: min(r.max_new, len(final) if cut is None else cut)]
+        if len(final) > r.emitted:
+            event.final[r.index] = final[r.emitted :]
+            r.emitted = len(final)
+            if r.stop is not None and r.stop(r.index, final):
+                reason = "stop"
+        if reason is None:
+            return True
+        r.result.tokens = final
+        store = existing_store(self.model)
+        if store is not None:  # later answers may draft from this one
+            store.learn(r.prompt + final)
+        r.result.steps = r.answer_steps[: len(final)]
+        if len(r.result.steps) < len(final):  # ended mid-block by the caller's stop
+            r.result.steps += r.block_steps[: len(final) - len(r.result.steps)]
+        r.result.finish_reason = reason
+        event.finished[r.index] = reason
+        return False
+
+    def _settle(self, plans: list, out: _Pass, rollback: torch.Tensor, keep: list[int]) -> None:
+        """After the rows' updates: a tree's kept branch moves behind its root, rejected
+        tokens leave the cache, the drafter drafts the next blocks."""
+        for k, r in enumerate(self.active):
             branch = getattr(r, "kept_branch", None)
             if branch:
-                start = int(self.cache.lengths[k] - n_commit[k])  # the pass's first slot
                 first = plans[k][1] - int(rollback[k]) - len(branch)  # where the branch goes
                 with torch.inference_mode():
-                    self.cache.compact(k, start + first, [start + i for i in branch])
-                    if capture:
-                        features[k, first : first + len(branch)] = features[k, branch]
+                    self.cache.keep_branch(k, int(out.n_commit[k]), first, branch)
+                    if out.features is not None:
+                        out.features[k, first : first + len(branch)] = out.features[k, branch]
                 end = len(r.committed) - plans[k][1] + first
                 r.committed[end : end + len(branch)] = [plans[k][0][i] for i in branch]
         if bool(rollback.any()):
             self.cache.rollback(rollback)
-            for r, n in zip(active, rollback.tolist()):
+            for r, n in zip(self.active, rollback.tolist()):
                 del r.committed[len(r.committed) - n :]
-        if self.drafting is not None and T:
-            self._draft(features, n_commit - rollback, keep)
-        relax_shared(model)  # the shared acceptance estimates drift once per step
+        if self.drafting is not None and out.width:
+            self.drafting.draft_for(self.active, out.features, out.n_commit - rollback, keep,
+                                    self.config.mask_token_id)  # fmt: skip
+        relax_shared(self.model)  # the shared acceptance estimates drift once per step
+
+    def _finish(self, keep: list[int]) -> None:
+        """Rows' prefill times; the prefix cache takes each prompt once it is in and each
+        leaving row's state; the rows that ended leave the batch."""
         now = time.perf_counter()
-        for r in active:
+        for r in self.active:
             if not r.result.prefill_seconds and r.steps:
                 r.result.prefill_seconds = now - r.t_added
         if self.prefix is not None:
             self._busy = False  # the pass is complete: the cache is consistent again
             with torch.inference_mode():
-                for k, r in enumerate(active):
+                for k, r in enumerate(self.active):
                     if k not in keep:
                         self._leave(k, save=True)
                     elif not r.prompt_saved and len(r.committed) >= len(r.prompt) - 1:
                         self._save(r, self.cache, k)
         self._keep(keep)
         self._busy = False
-        event.seconds = time.perf_counter() - t0
-        return event
-
-    def _draft(self, features: torch.Tensor, kept: torch.Tensor, keep: list[int]) -> None:
-        """After a pass: the drafter takes the features of what each drafting row kept, then
-        drafts the next block for the rows that stay and want one (one pass for all)."""
-        drafting = [isinstance(r, SpecRow) and r.uses_drafter for r in self.active]
-        kept = torch.where(torch.tensor(drafting), kept, 0)
-        # in a batch every row's pass is padded to the widest: a row whose draft lengths follow
-        # the measured costs drafts only while it runs alone, since its drafts would widen every
-        # row's pass and the batch would run slower than `ar`; fixed-length rows always draft
-        alone = len(keep) == 1
-        lengths = [r.drafter_length() if d and k in keep and (alone or r.costs is None) else 0
-                   for k, (r, d) in enumerate(zip(self.active, drafting))]  # fmt: skip
-        # only the rows that draft now take their features into the drafter's context
-        self.drafting.commit(features, kept, [n > 0 for n in lengths])
-        if max(lengths) == 0:
-            return
-        first = torch.tensor([r.pending[-1] if r.pending else 0 for r in self.active])
-        mask_id = self.config.mask_token_id
-        # greedy rows of a tree policy draft trees: a chain drafter grows them (one pass per
-        # depth), a block drafter's are its chain and the other guesses beside it (leaf_tree)
-        grows = self.drafting.drafter.config.chain
-        trees = [n > 0 and r.grows_tree for r, n in zip(self.active, lengths)]
-        if grows and any(trees):
-            grown = self.drafting.draft_tree(
-                first, max(n for n, t in zip(lengths, trees) if t),
-                [r.policy.tree if t else 0 for r, t in zip(self.active, trees)],
-                [n if t else 0 for n, t in zip(lengths, trees)],
-                lambda b, branch: self.active[b].context.follower(branch) if trees[b] else None,
-                mask_id,
-            )  # fmt: skip
-            for r, t, (tokens, parents) in zip(self.active, trees, grown):
-                if t:
-                    r.take_drafts(None, r.sampling, (tokens, None), parents)
-            lengths = [0 if t else n for n, t in zip(lengths, trees)]
-            if max(lengths) == 0:
-                return
-        qs: list[list[torch.Tensor]] = [[] for _ in lengths]  # a sampling row's q, [1, V] each
-        tails: list[list[int]] = [[] for _ in lengths]  # a chain drafter's drafts of each row
-
-        def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
-            """A chain drafter's draft at position i + 1 of every row (logits [B, V]): the
-            arg-max, or a sampling row's draw from the distribution it will be verified
-            against (kept as its q), so its later positions read the token it will really
-            propose."""
-            bonus = self.drafting.COPY_BONUS
-            for b, (r, n) in enumerate(zip(self.active, lengths)):
-                copy = r.context.follower(tails[b]) if bonus and i < n else None
-                if copy is not None:  # the drafter's guess leans to what the context repeats
-                    logits[b, copy] += bonus
-            if mask_id is not None:
-                logits[:, mask_id] = float("-inf")
-            ids = logits.argmax(-1)
-            for b, (r, n) in enumerate(zip(self.active, lengths)):
-                if i < n and not r.sampling.greedy:
-                    drawn, q = draw_drafts(logits[b : b + 1], r.sampling, r.gen)
-                    ids[b] = drawn[0]
-                    qs[b].append(q)
-            for b, t in enumerate(ids.tolist()):
-                tails[b].append(t)
-            return ids
-
-        with torch.inference_mode():
-            logits = self.drafting.draft(first, max(lengths) + 1, pick)  # [B, w - 1, V]
-            if mask_id is not None:
-                logits[..., mask_id] = float("-inf")
-            chosen = tails if tails[0] else None  # a block drafter never picks
-            for b, (r, n, row_logits) in enumerate(zip(self.active, lengths, logits)):
-                if not n:
-                    continue
-                if trees[b]:  # a block drafter's tree
-                    chain = row_logits[:n].argmax(-1).tolist()
-                    tokens, parents = leaf_tree(row_logits[:n], chain, r.policy.tree)
-                    r.take_drafts(row_logits[:n], r.sampling, (tokens, None), parents)
-                    continue
-                drawn = None if chosen is None else (
-                    chosen[b][:n], torch.cat(qs[b]) if qs[b] else None)  # fmt: skip
-                r.take_drafts(row_logits[:n], r.sampling, drawn)
 
 
 def generate(

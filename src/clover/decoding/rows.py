@@ -47,7 +47,7 @@ from clover.decoding.costs import (
 )
 from clover.decoding.drafting import graft
 from clover.decoding.policies import Policy
-from clover.decoding.sampling import SamplingParams, filtered_probs, sample
+from clover.decoding.sampling import SamplingParams, draw_drafts, filtered_probs, sample
 
 if TYPE_CHECKING:
     from clover.decoding.store import NgramStore
@@ -331,18 +331,6 @@ class NgramIndex:
         ):
             m += 1
         return m
-
-
-def draw_drafts(
-    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
-) -> tuple[list[int], torch.Tensor | None]:
-    """A draft from its logits [n, V]: the arg-max (greedy decoding; no distribution kept),
-    else a draw from the same filtered distribution the target samples from, kept as q for
-    speculative sampling."""
-    if sampling.greedy or logits.shape[0] == 0:
-        return logits.argmax(-1).tolist(), None
-    q = filtered_probs(logits.float(), sampling)
-    return torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist(), q
 
 
 class SpecRow(Row):

@@ -75,3 +75,29 @@ def sample(
     probs = filtered_probs(logits.float(), params)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def greedy_picks(
+    logits: torch.Tensor | None, plain: list[bool], uses_confidence: list[bool]
+) -> list[torch.Tensor | None] | None:
+    """The greedy tokens (and, where a plain row selects by it, confidences) of a whole batch's
+    logits [N, V] in one call, on the host: row by row each would be a few ops, and on a GPU a
+    host sync. `plain[k]`: row k is greedy and unconstrained. -> [tokens [N], confidence [N]
+    or None], or None where no row is plain."""
+    if logits is None or not any(plain):
+        return None
+    confident = any(p and c for p, c in zip(plain, uses_confidence))
+    tokens, conf = sample(logits, SamplingParams(), confidence=confident)
+    return [tokens.cpu(), None if conf is None else conf.cpu()]
+
+
+def draw_drafts(
+    logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
+) -> tuple[list[int], torch.Tensor | None]:
+    """A draft from its logits [n, V]: the arg-max (greedy decoding; no distribution kept),
+    else a draw from the same filtered distribution the target samples from, kept as q for
+    speculative sampling."""
+    if sampling.greedy or logits.shape[0] == 0:
+        return logits.argmax(-1).tolist(), None
+    q = filtered_probs(logits.float(), sampling)
+    return torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist(), q

@@ -206,6 +206,13 @@ class ModelCache:
         for layer in self.layers:
             layer.compact(row, start, index)
 
+    def keep_branch(self, row: int, passed: int, first: int, branch: list[int]) -> None:
+        """Row's last pass committed `passed` tokens, a tree of drafts; of them the kept
+        branch (pass positions `branch`, ascending) moves to pass position `first` onward, so
+        the path the answer took lies in order behind its root."""
+        start = int(self.lengths[row]) - passed  # the pass's first slot
+        self.compact(row, start + first, [start + i for i in branch])
+
     def extend(self, other: ModelCache) -> ModelCache:
         """Append other's rows; returns self."""
         for mine, theirs in zip(self.layers, other.layers):
