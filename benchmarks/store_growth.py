@@ -26,7 +26,7 @@ import tracemalloc
 from pathlib import Path
 
 from clover.bench.common import machine, now, write_results
-from clover.decoding.rows import NgramIndex
+from clover.decoding.store import NgramIndex
 from clover.decoding.store import NgramStore
 
 

@@ -63,7 +63,7 @@ def test_costs_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_lookup_drafts_grow_with_a_long_match():
-    from clover.decoding.rows import NgramIndex
+    from clover.decoding.store import NgramIndex
 
     text = list(range(20, 60))
     tokens = text + text[:12]  # the start repeats for 12 tokens
@@ -130,7 +130,7 @@ def test_a_row_keeps_estimates_only_for_the_sources_it_drafts_from():
 
     def sources(draft: str) -> set[str]:
         policy = make_policy("self_spec", 4, draft=draft)
-        return set(SpecRow(0, [1, 2, 3], 8, policy, torch.Generator()).acceptance)
+        return set(SpecRow(0, [1, 2, 3], 8, policy, torch.Generator()).sources.acceptance)
 
     assert sources("lookup") == {"lookup"} and sources("mask") == set()
     assert sources("drafter+lookup") == {"drafter", "lookup"}

@@ -963,17 +963,18 @@ def test_store_guesses_give_way_to_a_drafter_that_pays_more():
 
     policy = SelfSpec(block_size=8, draft="drafter+lookup+store", adaptive=True)
     row = SpecRow(0, [1, 2, 3], 32, policy, torch.Generator().manual_seed(0))
-    row.costs, row.eos = PassCosts({1: 10.0, 8: 12.0}, {1: 0.5, 8: 1.0}), {2}
-    row.store = NgramStore()
-    row.store.add([40, 41, 42, 43, 44, 45, 46, 47])
+    src = row.sources  # where its drafts come from (decoding/sources.py)
+    src.costs, row.eos = PassCosts({1: 10.0, 8: 12.0}, {1: 0.5, 8: 1.0}), {2}
+    src.store = NgramStore()
+    src.store.add([40, 41, 42, 43, 44, 45, 46, 47])
     row._append([9, 40, 41])  # no match in the row's own text; the store continues 40 41
     good, bad = [0.9] * 7, [0.1] * 7
-    row.acceptance["store"].p, row.acceptance["drafter"].p = list(good), list(bad)
+    src.acceptance["store"].p, src.acceptance["drafter"].p = list(good), list(bad)
     assert row._lookup()[:3] == [42, 43, 44] and row.drafter_length() == 0
-    row.acceptance["store"].p, row.acceptance["drafter"].p = list(bad), list(good)
+    src.acceptance["store"].p, src.acceptance["drafter"].p = list(bad), list(good)
     assert row._lookup() == [] and row.drafter_length() > 0
     row._append([5, 9, 40])  # now the row's own text continues 9 40 with 41: lookup wins
-    assert row._lookup()[:1] == [41] and row._source == "lookup" and row.drafter_length() == 0
+    assert row._lookup()[:1] == [41] and src.last == "lookup" and row.drafter_length() == 0
 
 
 def test_copy_leans_and_training_as_the_decoder_drafts(tiny_checkpoint, data, tmp_path):

@@ -135,7 +135,7 @@ def test_shipped_model_is_the_base_model_under_self_spec():
 
 
 def test_ngram_index_finds_the_latest_earlier_occurrence():
-    from clover.decoding.rows import NgramIndex
+    from clover.decoding.store import NgramIndex
 
     idx = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6])
     assert idx.draft(3) == []  # suffix (5, 6) never occurred before
@@ -152,7 +152,7 @@ def test_ngram_index_finds_the_latest_earlier_occurrence():
 def test_ngram_index_follower_reads_drafts_after_the_indexed_tokens():
     """The copy a chain drafter's next draft leans to: the follower of the longest (3, else 2)
     suffix of the indexed tokens + the drafts so far, found among the indexed tokens only."""
-    from clover.decoding.rows import NgramIndex
+    from clover.decoding.store import NgramIndex
 
     idx = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6])
     assert idx.follower([]) is None  # (5, 6) never occurred before
@@ -273,7 +273,7 @@ def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
     from scipy.stats import chi2
 
     from clover.decoding.drafting import DrafterRunner
-    from clover.decoding.rows import NgramIndex
+    from clover.decoding.store import NgramIndex
 
     model = tiny_model(seed=2)
     prompt = [5, 9, 12, 5, 9]

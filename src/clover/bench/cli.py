@@ -20,6 +20,7 @@ from clover.bench.common import (
     parse_configs,
     write_results,
 )
+from clover.decoding.policies import Source, draft_sources
 from clover.errors import CloverError
 
 RESULTS = Path("benchmarks") / "results"
@@ -116,7 +117,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
     # the speed prompts repeat (reps, batches): a store that learned from one run's answers
     # would draft the next run's from them; it stays at its seed
     for llm in list(llms.values()) + compiled:
-        if any("store" in c.draft for c in configs):
+        if any(Source.STORE in draft_sources(c.draft) for c in configs):
             model_store(llm.model)  # made now: its first rows' answers must not feed it
         store = existing_store(llm.model)
         if store is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from clover.decoding.policies import DECODERS, DRAFTS
+from clover.decoding.policies import DECODERS, DRAFTS, Source, draft_sources
 from clover.errors import CloverError
 from clover.files import atomic_write_text
 
@@ -50,7 +50,7 @@ class DecoderConfig:
             raise CloverError(f"draft {self.draft!r}: self_spec takes one of {', '.join(DRAFTS)}")
         if not self.adaptive and self.decoder != "self_spec":
             raise CloverError("fixed draft lengths are a self_spec option")
-        if self.tree and "drafter" not in self.draft:
+        if self.tree and Source.DRAFTER not in draft_sources(self.draft):
             raise CloverError("trees of drafts are a self_spec option with a drafter")
 
     @classmethod

@@ -92,7 +92,7 @@ class ModelEntry:
         (drafter+lookup -> lookup)."""
         for key, value in self.decoding.items():
             setattr(config, key, value)
-        if str(drafter) == "none" and "drafter" in config.draft:
+        if str(drafter) == "none" and "drafter" in config.draft.split("+"):
             config.draft = config.draft.replace("drafter+", "").replace("drafter", "lookup")
 
 

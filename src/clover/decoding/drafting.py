@@ -218,7 +218,8 @@ class DrafterRunner:
         # the measured costs drafts only while it runs alone, since its drafts would widen every
         # row's pass and the batch would run slower than `ar`; fixed-length rows always draft
         alone = len(keep) == 1
-        lengths = [r.drafter_length() if d and k in keep and (alone or r.costs is None) else 0
+        lengths = [r.drafter_length() if d and k in keep and (alone or r.sources.costs is None)
+                   else 0
                    for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
         # only the rows that draft now take their features into the drafter's context
         self.commit(features, kept, [n > 0 for n in lengths])

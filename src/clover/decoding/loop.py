@@ -30,7 +30,7 @@ import torch
 from clover.decoding.constraints import LogitsConstraint
 from clover.decoding.costs import PassCosts, model_costs, relax_shared
 from clover.decoding.drafting import DrafterRunner
-from clover.decoding.policies import Policy
+from clover.decoding.policies import Policy, Source
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
 from clover.decoding.sampling import SamplingParams, greedy_picks
@@ -89,7 +89,8 @@ def _check(model: DiffusionLM, prompts: list[list[int]], policy: Policy, max_new
             "trees of drafts need a model without recurrent layers (their state follows one "
             "sequence): drop the tree option"
         )
-    if policy.speculative and "drafter" in policy.draft and getattr(model, "drafter", None) is None:
+    drafter = policy.speculative and Source.DRAFTER in policy.sources
+    if drafter and getattr(model, "drafter", None) is None:
         raise CloverError(
             f"draft {policy.draft!r} needs a drafter for this model: load one with --drafter "
             "FILE (`clover train drafter` makes one)"
@@ -184,15 +185,16 @@ class BatchDecoder:
         row.t_added, row.marks = t_added, tuple(marks)
         row.partition = partition
         if isinstance(row, SpecRow):
-            if row.uses_drafter and self.drafting is None:
+            sources = row.sources
+            if sources.uses_drafter and self.drafting is None:
                 self.drafting = DrafterRunner(self.model, self.model.drafter)
                 for _ in self.active:  # rows already running draft otherwise: empty contexts
                     self.drafting.add_row()
-            if policy.adaptive and (row.looks_up or row.uses_drafter):
-                row.costs = self._pass_costs(row.uses_drafter)
-                row.share_acceptance(self.model)
-            if "store" in policy.draft:
-                row.store = model_store(self.model)
+            if policy.adaptive and (sources.looks_up or sources.uses_drafter):
+                sources.costs = self._pass_costs(sources.uses_drafter)
+                sources.share_acceptance(self.model)
+            if Source.STORE in policy.sources:
+                sources.store = model_store(self.model)
         cache = self.model.make_cache(1)
         if policy.speculative:
             cache.enable_rollback()

@@ -7,7 +7,8 @@ a token-shifted model it is exactly autoregressive decoding with a KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +87,22 @@ DRAFTS = (
 )  # fmt: skip
 
 
+class Source(enum.Enum):
+    """One place a self_spec draft can come from (`sources.DraftSources` chooses)."""
+
+    MASK = "mask"  # the model's own masked block
+    LOOKUP = "lookup"  # what followed the current suffix earlier in prompt + answer
+    DRAFTER = "drafter"  # a small trained drafter on the model's features
+    STORE = "store"  # the model's n-gram store of earlier text
+
+
+def draft_sources(draft: str) -> frozenset[Source]:
+    """A `draft` name (one of DRAFTS) -> its sources, parsed once."""
+    if draft not in DRAFTS:
+        raise CloverError(f"draft {draft!r}: choose one of {', '.join(DRAFTS)}")
+    return frozenset(Source(part) for part in draft.split("+"))
+
+
 @dataclass(frozen=True)
 class SelfSpec(Policy):
     """Lossless self-speculation: draft block_size - 1 tokens per pass, verify them causally
@@ -109,6 +126,7 @@ class SelfSpec(Policy):
     tree: int = 0
     name: str = "self_spec"
     speculative = True
+    sources: frozenset[Source] = field(init=False, compare=False, repr=False)  # of `draft`
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,15 +134,14 @@ class SelfSpec(Policy):
             raise CloverError("self_spec needs block_size >= 2 (one AR token + drafts)")
         if not isinstance(self.refine_steps, int) or self.refine_steps < 0:
             raise CloverError(f"refine_steps must be >= 0, got {self.refine_steps!r}")
-        if self.draft not in DRAFTS:
-            raise CloverError(f"draft {self.draft!r}: choose one of {', '.join(DRAFTS)}")
+        object.__setattr__(self, "sources", draft_sources(self.draft))
         if not isinstance(self.tree, int) or self.tree < 0:
             raise CloverError(f"tree must be a number of drafted tokens >= 0, got {self.tree!r}")
-        if self.tree and "drafter" not in self.draft:
+        if self.tree and Source.DRAFTER not in self.sources:
             raise CloverError(f"tree drafts come from a drafter; draft {self.draft!r} has none")
 
     def needs_mask(self, shifted: bool) -> bool:
-        return "mask" in self.draft  # lookup drafts feed only real tokens
+        return Source.MASK in self.sources  # lookup drafts feed only real tokens
 
 
 DECODERS = ("ar", "low_confidence", "self_spec")

@@ -33,24 +33,15 @@ drops it and decodes as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from clover.decoding.constraints import LogitsConstraint, pick
-from clover.decoding.costs import (
-    Acceptance,
-    PassCosts,
-    best_length,
-    best_rate,
-    shared_acceptance,
-)
 from clover.decoding.drafting import graft
 from clover.decoding.policies import Policy
 from clover.decoding.sampling import SamplingParams, draw_drafts, filtered_probs, sample
-
-if TYPE_CHECKING:
-    from clover.decoding.store import NgramStore
+from clover.decoding.sources import DraftSources
+from clover.decoding.store import NgramIndex
 
 MASKED = -1
 
@@ -274,65 +265,6 @@ class BlockRow(Row):
         return None if self.block else (super().finish_reason(eos) or "length")
 
 
-class NgramIndex:
-    """Where each 2- and 3-token n-gram of a token list last occurred (the position of the
-    token that followed it), kept current as tokens are appended: a lookup is a dict read."""
-
-    SIZES = (3, 2)  # longest first: a longer match is the better guess
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens: list[int] = []
-        self.after: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        for t in tokens:
-            j = len(self.tokens)  # t's position: it follows the n-grams ending at j - 1
-            for n in self.SIZES:
-                if j >= n:
-                    self.after[tuple(self.tokens[j - n : j])] = j
-            self.tokens.append(t)
-
-    LONG = 32  # how far a long match may draft
-    GROW_AFTER = 8  # a match of this many tokens is long (code and quotes repeat for a while)
-
-    def draft(self, k: int, most: int | None = None) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the current suffix;
-        up to min(LONG, most) when that occurrence matches the current text over GROW_AFTER
-        tokens or more."""
-        if k < 1:
-            return []
-        for n in self.SIZES:
-            j = self.after.get(tuple(self.tokens[-n:])) if len(self.tokens) >= n else None
-            if j is not None:
-                if most is not None and self._match(j) >= self.GROW_AFTER:
-                    k = max(k, min(self.LONG, most))
-                return self.tokens[j : j + k]
-        return []
-
-    def follower(self, tail: list[int]) -> int | None:
-        """The token that followed the latest occurrence, in the indexed tokens, of the longest
-        suffix (3 or 2 tokens) of the indexed tokens + `tail` (a chain drafter's drafts so far):
-        the copy a chain drafter's next draft leans to (`DrafterRunner.COPY_BONUS`)."""
-        seq = self.tokens[-max(self.SIZES) :] + tail
-        for n in self.SIZES:
-            j = self.after.get(tuple(seq[-n:])) if len(seq) >= n else None
-            if j is not None:
-                return self.tokens[j]
-        return None
-
-    def _match(self, j: int) -> int:
-        """How many tokens before position j equal the ones at the end (up to GROW_AFTER)."""
-        m, end = 0, len(self.tokens)
-        while (
-            m < self.GROW_AFTER
-            and j - 1 - m >= 0
-            and self.tokens[j - 1 - m] == self.tokens[end - 1 - m]
-        ):
-            m += 1
-        return m
-
-
 class SpecRow(Row):
     """self_spec: draft a block, verify it causally next pass, keep what AR would write.
 
@@ -354,32 +286,16 @@ class SpecRow(Row):
         # entries and features into place)
         self.kept_branch: list[int] | None = None
         self.refine_left = 0
-        self.masks = "mask" in self.policy.draft  # a masked block rides in every pass
         self._from_context = False  # the planned pass's draft came from a context lookup
-        self.uses_drafter = "drafter" in self.policy.draft  # drafts set by the loop's drafter
-        # the row's prompt + answer, indexed for context-lookup drafts and for the copies a
-        # chain drafter's drafts lean to
-        self.looks_up = "lookup" in self.policy.draft
-        self.context = NgramIndex(self.pending) if self.looks_up or self.uses_drafter else None
-        # draft="lookup+store": the model's n-gram store (decoding/store.py; the loop sets it)
-        # drafts where the row's own context has no match
-        self.store: NgramStore | None = None
-        self._source = ""  # where the planned pass's draft came from
-        # the machine's pass costs (decoding/costs.py), set by the loop when the policy adapts
-        # its draft lengths; then each source's acceptance decides how far to draft
-        self.costs: PassCosts | None = None
-        # one estimate per source this row drafts from, and none for the others: each relaxes
-        # every step, which costs per source and per row
-        sources = {"lookup": self.looks_up, "store": "store" in self.policy.draft,
-                   "drafter": self.uses_drafter}  # fmt: skip
-        sizes = {"lookup": NgramIndex.LONG, "store": self.policy.block_size - 1,
-                 "drafter": self.policy.block_size - 1}  # fmt: skip
-        self.acceptance = {s: Acceptance(sizes[s]) for s, used in sources.items() if used}
+        self.sources = DraftSources(self.policy, self.pending)
 
-    def share_acceptance(self, model: object) -> None:
-        """Start from, and report to, the acceptance the model's earlier rows saw."""
-        self.acceptance = {s: Acceptance(len(a.p), shared=shared_acceptance(model, s, len(a.p)))
-                           for s, a in self.acceptance.items()}  # fmt: skip
+    @property
+    def uses_drafter(self) -> bool:
+        return self.sources.uses_drafter
+
+    @property
+    def context(self) -> NgramIndex | None:
+        return self.sources.context
 
     @property
     def refining(self) -> bool:
@@ -420,35 +336,16 @@ class SpecRow(Row):
         whose rows a matmul may sum in another order, and an int4 answer could then part from
         `ar`'s; with integer dots every later pass of up to 4 tokens (16 on AVX2) rounds as
         `ar`'s does (docs/kernels.md)."""
-        if not self.looks_up or not self.answer:
+        if not self.sources.looks_up or not self.answer:
             return []
-        room = self.max_new - len(self.answer) - 1  # the pass also yields one AR token
-        most = min(self.policy.block_size - 1, room)
-        self._source = "lookup"
-        if self.costs is None:  # fixed: block_size - 1 drafted tokens at most, but a tree
-            # row's pass is as wide as its tree plus the match anyway: a long match goes on
-            found = self.context.draft(most, room if self.grows_tree else None)
-        else:  # long matches may draft far; as far as this machine and these matches pay
-            found = self.context.draft(most, room)
-            found = found[: best_length(self.acceptance["lookup"].p, self.costs, len(found))]
-        if found or self.store is None:
-            return found
-        self._source = "store"  # no paying match in the row's own text: earlier text's guess
-        found = self.store.draft(self.context.tokens, most)
-        if self.costs is None or not found:
-            return found
-        k, rate = best_rate(self.acceptance["store"].p, self.costs, len(found))
-        if self.uses_drafter:  # the store's guess only where it pays more than the drafter's
-            if best_rate(self.acceptance["drafter"].p, self.costs, most, drafter=True)[1] > rate:
-                return []
-        return found[:k]
+        return self.sources.lookup(self.max_new - len(self.answer) - 1, self.grows_tree)
 
     def drafter_length(self) -> int:
         """How many tokens the drafter should draft for the next pass (0: none, also when the
         next plan will take a context match instead: that drafter pass would be thrown away)."""
         room = self.max_new - len(self.answer) - 1
         if (
-            not self.uses_drafter
+            not self.sources.uses_drafter
             or self.draft
             or room <= 0
             or first_eos(self.answer, self.eos) is not None
@@ -456,10 +353,7 @@ class SpecRow(Row):
             or (self._lookup() and not self.grows_tree)
         ):
             return 0
-        most = min(self.policy.block_size - 1, room)
-        if self.costs is None:
-            return most
-        return best_length(self.acceptance["drafter"].p, self.costs, most, drafter=True)
+        return self.sources.drafter_length(room)
 
     def take_drafts(
         self,
@@ -478,7 +372,7 @@ class SpecRow(Row):
 
     def _verify_plan(self, mask_id: int) -> tuple[list[int], int]:
         """[certain | draft to verify | masked block (draft="mask*" only)]."""
-        masks = [mask_id] * self.policy.block_size if self.masks else []
+        masks = [mask_id] * self.policy.block_size if self.sources.masks else []
         return self.pending + self.draft + masks, len(self.pending) + len(self.draft)
 
     def optional_tokens(self) -> int:
@@ -501,7 +395,7 @@ class SpecRow(Row):
             return [hidden[n_commit - 1]] + list(hidden[n_commit : n_commit + len(self.draft) - 1])
         verify = hidden[len(self.pending) - 1 : n_commit]
         self._n_verify = len(verify)
-        if not self.masks:
+        if not self.sources.masks:
             return list(verify)
         draft = hidden[n_commit : n_commit + self.policy.block_size - 1]  # next draft
         return list(verify) + list(draft)
@@ -537,16 +431,18 @@ class SpecRow(Row):
         if self.parents is None:
             chain = self.draft[:accepted]
         if self.draft:
-            source = "drafter" if self.uses_drafter else "mask"
-            source = self._source if self._from_context else source
+            source = "drafter" if self.sources.uses_drafter else "mask"
+            source = self.sources.last if self._from_context else source
             tally = self.result.drafts.setdefault(source, [0, 0])
             tally[0] += len(self.draft)
             tally[1] += accepted
             self.result.accepted.append(accepted)
-            if source in self.acceptance:  # a tree: as a chain as deep as its deepest branch
+            if (
+                source in self.sources.acceptance
+            ):  # a tree: as a chain as deep as its deepest branch
                 deepest = len(self.draft) if self.parents is None else self._depth()
-                self.acceptance[source].update(deepest, accepted)
-        for a in self.acceptance.values():
+                self.sources.acceptance[source].update(deepest, accepted)
+        for a in self.sources.acceptance.values():
             a.relax()
         self._from_context = False
         rollback = len(self.draft) - accepted
@@ -554,7 +450,7 @@ class SpecRow(Row):
         start = self._append(new)
         room = self.max_new - len(self.answer) - 1  # the next pass always adds one AR token
         self.draft_q, self.parents = None, None
-        if self.masks and rollback == 0 and room > 0 and first_eos(new, eos) is None:
+        if self.sources.masks and rollback == 0 and room > 0 and first_eos(new, eos) is None:
             self.draft, self.draft_q = draw_drafts(drafted[:room], sampling, self.gen)
             self.refine_left = self.policy.refine_steps
         else:

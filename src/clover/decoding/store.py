@@ -32,6 +32,65 @@ from clover.errors import CloverError
 from clover.files import atomic_write
 
 
+class NgramIndex:
+    """Where each 2- and 3-token n-gram of a token list last occurred (the position of the
+    token that followed it), kept current as tokens are appended: a lookup is a dict read."""
+
+    SIZES = (3, 2)  # longest first: a longer match is the better guess
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            j = len(self.tokens)  # t's position: it follows the n-grams ending at j - 1
+            for n in self.SIZES:
+                if j >= n:
+                    self.after[tuple(self.tokens[j - n : j])] = j
+            self.tokens.append(t)
+
+    LONG = 32  # how far a long match may draft
+    GROW_AFTER = 8  # a match of this many tokens is long (code and quotes repeat for a while)
+
+    def draft(self, k: int, most: int | None = None) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the current suffix;
+        up to min(LONG, most) when that occurrence matches the current text over GROW_AFTER
+        tokens or more."""
+        if k < 1:
+            return []
+        for n in self.SIZES:
+            j = self.after.get(tuple(self.tokens[-n:])) if len(self.tokens) >= n else None
+            if j is not None:
+                if most is not None and self._match(j) >= self.GROW_AFTER:
+                    k = max(k, min(self.LONG, most))
+                return self.tokens[j : j + k]
+        return []
+
+    def follower(self, tail: list[int]) -> int | None:
+        """The token that followed the latest occurrence, in the indexed tokens, of the longest
+        suffix (3 or 2 tokens) of the indexed tokens + `tail` (a chain drafter's drafts so far):
+        the copy a chain drafter's next draft leans to (`DrafterRunner.COPY_BONUS`)."""
+        seq = self.tokens[-max(self.SIZES) :] + tail
+        for n in self.SIZES:
+            j = self.after.get(tuple(seq[-n:])) if len(seq) >= n else None
+            if j is not None:
+                return self.tokens[j]
+        return None
+
+    def _match(self, j: int) -> int:
+        """How many tokens before position j equal the ones at the end (up to GROW_AFTER)."""
+        m, end = 0, len(self.tokens)
+        while (
+            m < self.GROW_AFTER
+            and j - 1 - m >= 0
+            and self.tokens[j - 1 - m] == self.tokens[end - 1 - m]
+        ):
+            m += 1
+        return m
+
+
 class NgramStore:
     """n-gram -> {next token: count}, for n in ORDERS; drafts by majority, longest first."""
 

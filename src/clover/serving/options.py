@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clover.checkpoints import DEFAULT_MODEL, KNOWN_MODELS, device_dtype, resolve_device
-from clover.decoding.policies import DECODERS, DRAFTS
+from clover.decoding.policies import DECODERS, DRAFTS, Source, draft_sources
 from clover.decoding.store import is_saved_store
 from clover.errors import CloverError
 from clover.serving.tenants import read_keys_file
@@ -83,7 +83,8 @@ class ServeOptions:
             raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
         if self.draft is not None and self.draft not in DRAFTS:
             raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
-        if self.draft is not None and "drafter" in self.draft and self.drafter in (None, "none"):
+        uses_drafter = self.draft is not None and Source.DRAFTER in draft_sources(self.draft)
+        if uses_drafter and self.drafter in (None, "none"):
             entry = KNOWN_MODELS.get(self.model.strip().lower())
             if entry is None or entry.drafter is None or self.drafter == "none":
                 raise CloverError(
@@ -93,7 +94,7 @@ class ServeOptions:
             raise CloverError(f"--gguf-wide must be int8 or int4, got {self.wide!r}")
         if self.tree < 0:
             raise CloverError("--tree must be >= 0 (drafts a pass; 0: chains)")
-        if self.tree and (self.draft is None or "drafter" not in self.draft):
+        if self.tree and not uses_drafter:
             raise CloverError("--tree grows trees from a drafter: add --draft drafter")
         if self.slide and self.decoder != "low_confidence":
             raise CloverError("--slide is a low_confidence option: add --decoder low_confidence")

@@ -377,7 +377,7 @@ def copy_leans(tokens: list[int], starts: list[int], depth: int) -> list[list[in
     """Per block start p in a sequence's `tokens`: the token a chain drafter's draft at each
     of `depth` positions leans to in the decoder (`NgramIndex.follower` over tokens[: p + 1],
     the drafts before it being the sequence's own tokens p + 1 ..); None past its end."""
-    from clover.decoding.rows import NgramIndex
+    from clover.decoding.store import NgramIndex
 
     index, done, out = NgramIndex([]), 0, {}
     for p in sorted(set(starts)):
