@@ -26,8 +26,7 @@ import tracemalloc
 from pathlib import Path
 
 from clover.bench.common import machine, now, write_results
-from clover.decoding.store import NgramIndex
-from clover.decoding.store import NgramStore
+from clover.decoding.store import NgramIndex, NgramStore
 
 
 def replay(records: list[dict], store: NgramStore | None, most: int) -> dict:

@@ -126,7 +126,7 @@ def test_a_row_keeps_estimates_only_for_the_sources_it_drafts_from():
     import torch
 
     from clover.decoding.policies import make_policy
-    from clover.decoding.rows import SpecRow
+    from clover.decoding.spec_row import SpecRow
 
     def sources(draft: str) -> set[str]:
         policy = make_policy("self_spec", 4, draft=draft)

@@ -374,7 +374,7 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
     """drafter+lookup: a context match takes the next pass, so the drafter does not draft for
     it (a drafter pass whose draft is thrown away costs as much as one that is verified):
     every drafter draft taken is verified, and lookup drafts still run."""
-    from clover.decoding import rows
+    from clover.decoding import spec_row as rows
     from clover.decoding.policies import SelfSpec
 
     taken, verified = [0], [0]
@@ -385,7 +385,7 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
         return take(self, logits, sampling, drawn)
 
     def counting_update(self, logits, sampling, eos, *sampled):
-        if self.draft and not self._from_context and not self.refining:
+        if self.draft and not self._from_context:
             verified[0] += 1
         return update(self, logits, sampling, eos, *sampled)
 
@@ -958,7 +958,7 @@ def test_store_guesses_give_way_to_a_drafter_that_pays_more():
     still comes first."""
     from clover.decoding.costs import PassCosts
     from clover.decoding.policies import SelfSpec
-    from clover.decoding.rows import SpecRow
+    from clover.decoding.spec_row import SpecRow
     from clover.decoding.store import NgramStore
 
     policy = SelfSpec(block_size=8, draft="drafter+lookup+store", adaptive=True)
@@ -1066,17 +1066,17 @@ def test_tree_drafts_are_lossless_batched(draft, chain, monkeypatch):
     ar, rows of different lengths together (with a sampling row, which drafts chains);
     branches other than the first are kept (their cache entries move up behind the root)."""
     from clover.decoding.policies import SelfSpec
-    from clover.decoding.rows import SpecRow
     from clover.models.cache import KVCache
 
     moved = []
     compact = KVCache.compact
     monkeypatch.setattr(KVCache, "compact", lambda self, *a: (moved.append(a), compact(self, *a)))
     kept = []
-    verify = SpecRow._verify_tree
-    monkeypatch.setattr(SpecRow, "_verify_tree",
-                        lambda self, *a: kept.append(verify(self, *a)) or kept[-1])  # fmt: skip
-    from clover.decoding import rows
+    from clover.decoding import spec_row
+
+    verify = spec_row.verify_tree
+    monkeypatch.setattr(spec_row, "verify_tree", lambda *a: kept.append(verify(*a)) or kept[-1])
+    from clover.decoding import spec_row as rows
     from clover.decoding.drafting import DrafterRunner
 
     if draft == "drafter+lookup":  # context copies come from the lookup, not a chain's lean
@@ -1115,7 +1115,7 @@ def test_a_tree_takes_a_long_context_match_past_the_block(monkeypatch):
     """A fixed tree row (drafter+lookup) grafts a long context match as far as it goes (up to
     NgramIndex.LONG), not only block_size - 1 tokens: its pass is as wide as the tree plus the
     match anyway. Float32 answers stay ar's; passes keep more than the block's 3 drafts."""
-    from clover.decoding import rows
+    from clover.decoding import spec_row as rows
     from clover.decoding.drafting import DrafterRunner
     from clover.decoding.policies import SelfSpec
 

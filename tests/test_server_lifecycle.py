@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from clover.engine import LLM
+from clover.engine import LLM, GenerationSettings
 from clover.serving.options import ServeOptions
 from tests.test_server_support import serve_in_thread, wait_ready, write_checkpoint
 
@@ -76,7 +76,9 @@ def test_self_spec_pass_costs_are_timed_before_ready(tmp_path, monkeypatch):
     cases = [("self_spec", False, [False]), ("self_spec", True, [False, True]), ("ar", True, [])]
     for decoder, drafter, expected in cases:
         timed.clear()
-        options = ServeOptions(model=str(checkpoint), decoder=decoder, draft="lookup")
+        options = ServeOptions(
+            model=str(checkpoint), defaults=GenerationSettings(decoder=decoder, draft="lookup")
+        )
         with serve_in_thread(options, lambda d=drafter: loader(d)) as url:
             assert httpx.get(f"{url}/health").status_code == 200
             assert timed == expected

@@ -190,22 +190,27 @@ def test_nothing_from_a_request_is_unpickled():
 def test_serve_options_check_the_draft_source():
     from clover.serving.options import ServeOptions
 
-    ServeOptions(decoder="self_spec", draft="lookup").check()
-    with pytest.raises(CloverError, match="--draft must be one of"):
-        ServeOptions(draft="ngram").check()
-    ServeOptions(decoder="low_confidence", slide=True).check()
+    def options(**defaults):
+        return ServeOptions(model="smollm2-135m", defaults=GenerationSettings(**defaults))
+
+    options(decoder="self_spec", draft="lookup").check()
+    with pytest.raises(CloverError, match="draft must be one of"):
+        options(draft="ngram")
+    options(decoder="low_confidence", slide=True).check()
     with pytest.raises(CloverError, match="--slide is a low_confidence option"):
-        ServeOptions(slide=True).check()
+        options(slide=True).check()
     with pytest.raises(CloverError, match="needs --drafter FILE"):
-        ServeOptions(model="smollm2-135m", decoder="self_spec", draft="drafter+lookup").check()
+        options(decoder="self_spec", draft="drafter+lookup").check()
     # the default model ships its drafter (clover/drafters/)
-    ServeOptions(model="qwen2.5-coder-0.5b", decoder="self_spec", draft="drafter").check()
+    coder = GenerationSettings(decoder="self_spec", draft="drafter")
+    ServeOptions(model="qwen2.5-coder-0.5b", defaults=coder).check()
     with pytest.raises(CloverError, match="needs --drafter FILE"):  # its own one left out
-        ServeOptions(model="qwen2.5-coder-0.5b", draft="drafter", drafter="none").check()
-    ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors").check()
-    ServeOptions(decoder="self_spec", draft="drafter", drafter="d.safetensors", tree=63).check()
+        ServeOptions(model="qwen2.5-coder-0.5b", defaults=coder, drafter="none").check()
+    ServeOptions(defaults=coder, drafter="d.safetensors").check()
+    tree = GenerationSettings(decoder="self_spec", draft="drafter", tree=63)
+    ServeOptions(defaults=tree, drafter="d.safetensors").check()
     with pytest.raises(CloverError, match="--tree grows trees from a drafter"):
-        ServeOptions(decoder="self_spec", draft="lookup", tree=63).check()
+        options(decoder="self_spec", draft="lookup", tree=63).check()
     with pytest.raises(CloverError, match="--gguf-wide must be int8 or int4"):
         ServeOptions(wide="int2").check()
 

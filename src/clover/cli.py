@@ -17,7 +17,7 @@ from pathlib import Path
 
 from clover import __version__
 from clover.checkpoints.registry import DEFAULT_MODEL
-from clover.decoding.policies import DRAFTS
+from clover.decoding.settings import kind, specs
 from clover.engine import Completion, GenerationSettings
 from clover.errors import CloverError
 
@@ -71,56 +71,32 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--decoder", choices=["ar", "low_confidence", "self_spec"], help="default: the model's"
-    )
-    p.add_argument("--block-size", type=int, help="positions per block (default: the model's)")
-    p.add_argument("--threshold", type=float, default=0.95, help="commit confidence (0.95)")
-    p.add_argument("--refine-steps", type=int, default=0, help="self_spec draft refinements")
-    p.add_argument(
-        "--draft",
-        choices=DRAFTS,
-        help="self_spec draft source: the masked block, context n-gram lookup, or both "
-        "(default: the model's)",
-    )
-    p.add_argument(
-        "--slide",
-        action="store_true",
-        help="low_confidence: a sliding window of --block-size positions instead of fixed blocks",
-    )
-    p.add_argument(
-        "--tree",
-        type=int,
-        default=0,
-        metavar="N",
-        help="self_spec with a drafter: verify a tree of N drafts a pass (greedy; 0: a chain)",
-    )
-    p.add_argument("--max-tokens", type=int, default=256, help="max new tokens (256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--system", help="system message")
+def _setting_args(p: argparse.ArgumentParser, where: str = "cli") -> None:
+    """The decoding and sampling flags, made from the settings' specs (`decoding/settings.py`):
+    generate and chat take every one offered on the command line (`where="cli"`), serve the
+    defaults of requests (`"serve"`)."""
+    for f, spec in specs(where):
+        flag = "--" + f.name.replace("_", "-")
+        default = "" if f.default in (None, ()) else f" ({f.default})"
+        help = f"{spec.decoder}: {spec.help}" if spec.decoder else spec.help
+        help = f"default for requests: {help}" if where == "serve" else help
+        if kind(f) is bool:
+            p.add_argument(flag, action="store_true", help=help)
+        elif kind(f) is tuple:
+            p.add_argument(flag, action="append", default=[], help=help)
+        else:
+            choices = spec.choices or None
+            metavar = "N" if kind(f) is int and not choices else None
+            p.add_argument(flag, type=kind(f), default=f.default, choices=choices,
+                           metavar=metavar, help=help + default)  # fmt: skip
 
 
-def _settings(a: argparse.Namespace) -> GenerationSettings:
-    return GenerationSettings(
-        decoder=a.decoder,
-        block_size=a.block_size,
-        threshold=a.threshold,
-        max_tokens=a.max_tokens,
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        seed=a.seed,
-        stop=tuple(a.stop),
-        refine_steps=a.refine_steps,
-        draft=a.draft,
-        slide=a.slide,
-        tree=a.tree,
-    )
+def _settings(a: argparse.Namespace, where: str = "cli") -> GenerationSettings:
+    """The settings the flags of `_setting_args(where)` ask for."""
+    given = {f.name: getattr(a, f.name) for f, _ in specs(where)}
+    if "stop" in given:
+        given["stop"] = tuple(given["stop"])
+    return GenerationSettings(**given)
 
 
 def _load(a: argparse.Namespace, quiet: bool = False) -> object:
@@ -521,13 +497,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_queue=a.max_queue,
         request_timeout=a.request_timeout or None,
         max_body_bytes=a.max_body_bytes,
-        decoder=a.decoder,
-        block_size=a.block_size,
-        threshold=a.threshold,
-        draft=a.draft,
-        slide=a.slide,
-        tree=a.tree,
-        max_tokens=a.max_tokens,
+        defaults=_settings(a, "serve"),
         shutdown_grace=a.shutdown_grace,
         access_log=a.access_log,
         prefix_cache_mb=a.prefix_cache_mb,
@@ -594,23 +564,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds per request (600; 0: none)"
     )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="(4 MiB)")
-    p.add_argument(
-        "--decoder", choices=["ar", "low_confidence", "self_spec"], help="default: the model's"
-    )
-    p.add_argument("--block-size", type=int, help="default positions per block (the model's)")
-    p.add_argument("--threshold", type=float, default=0.95, help="default commit confidence")
-    p.add_argument("--draft", choices=DRAFTS, help="default self_spec draft source")
-    p.add_argument(
-        "--tree",
-        type=int,
-        default=0,
-        metavar="N",
-        help="default self_spec with a drafter: verify a tree of N drafts a pass (greedy)",
-    )
-    p.add_argument(
-        "--slide", action="store_true", help="low_confidence: a sliding window by default"
-    )
-    p.add_argument("--max-tokens", type=int, default=256, help="when a request sets none (256)")
+    _setting_args(p, "serve")
     p.add_argument(
         "--shutdown-grace", type=float, default=30.0, help="seconds to finish answers on SIGTERM"
     )
@@ -662,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="answer one prompt, streaming")
     _model_args(g)
     _runtime_args(g)
-    _generation_args(g)
+    _setting_args(g)
+    g.add_argument("--system", help="system message")
     g.add_argument("--prompt", "-p", help="prompt text ('-' or omitted: read stdin)")
     g.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template")
     g.add_argument("--verbose", "-v", action="store_true", help="print NFE, TPF, tokens/s")
@@ -671,7 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="multi-turn chat in the terminal")
     _model_args(c)
     _runtime_args(c)
-    _generation_args(c)
+    _setting_args(c)
+    c.add_argument("--system", help="system message")
     c.add_argument("--verbose", "-v", action="store_true")
     _prefix_cache_arg(c)
     c.set_defaults(func=cmd_chat)

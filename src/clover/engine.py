@@ -10,57 +10,21 @@ the last turn.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from clover.checkpoints import DEFAULT_MODEL, load
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.loop import RowResult, generate
-from clover.decoding.policies import Policy, SelfSpec, check_model_defaults, make_policy
+from clover.decoding.policies import SelfSpec, check_model_defaults, make_policy
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.sampling import SamplingParams
+from clover.decoding.settings import GenerationSettings
 from clover.errors import CloverError
 from clover.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "LLM", "Completion", "GenerationSettings", "TextDelta", "TextStream"]
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """Everything a request may set; None means the model's default."""
-
-    decoder: str | None = None
-    block_size: int | None = None
-    threshold: float = 0.95
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    refine_steps: int = 0  # self_spec: refinement passes over each fresh draft
-    draft: str | None = None  # self_spec draft source (policies.DRAFTS)
-    slide: bool = False  # low_confidence: a sliding window instead of fixed blocks
-    # self_spec: context and store draft lengths follow this machine's pass costs (True) or
-    # are always the most the block allows (False: `fixed`)
-    adaptive: bool = True
-    tree: int = 0  # self_spec with a drafter: verify trees of this many drafts (0: chains)
-    # makes a fresh LogitsConstraint for each answer (clover.decoding.constraints), or None
-    constraint: Callable[[], object] | None = field(default=None, compare=False)
-
-    def policy(self) -> Policy:
-        """The decoding policy these settings ask for (after `LLM.default_settings`)."""
-        return make_policy(
-            self.decoder,
-            self.block_size,
-            self.threshold,
-            self.refine_steps,
-            self.draft,
-            self.slide,
-            self.adaptive,
-            self.tree,
-        )
 
 
 @dataclass

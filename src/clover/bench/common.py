@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from clover.decoding.policies import DECODERS, DRAFTS, Source, draft_sources
+from clover.decoding.policies import DRAFTS, Policy
+from clover.decoding.settings import GenerationSettings
 from clover.errors import CloverError
 from clover.files import atomic_write_text
 
@@ -42,16 +43,9 @@ class DecoderConfig:
     tree: int = 0  # self_spec with a drafter: `:treeN`, trees of N drafted tokens
 
     def __post_init__(self) -> None:
-        if self.decoder not in DECODERS:
-            raise CloverError(f"decoder {self.decoder!r}: choose one of {', '.join(DECODERS)}")
         if self.decoder == "ar" and self.block_size != 1:
             raise CloverError("ar has no block size")
-        if self.draft not in DRAFTS or (self.draft != "mask" and self.decoder != "self_spec"):
-            raise CloverError(f"draft {self.draft!r}: self_spec takes one of {', '.join(DRAFTS)}")
-        if not self.adaptive and self.decoder != "self_spec":
-            raise CloverError("fixed draft lengths are a self_spec option")
-        if self.tree and Source.DRAFTER not in draft_sources(self.draft):
-            raise CloverError("trees of drafts are a self_spec option with a drafter")
+        self.policy()  # the policy's own checks (`decoding/policies.py`)
 
     @classmethod
     def parse(cls, text: str) -> DecoderConfig:
@@ -101,9 +95,7 @@ class DecoderConfig:
             return cls("self_spec", block, draft=getattr(config, "draft", "mask"))
         return cls(decoder, block)
 
-    def settings(self, max_tokens: int) -> object:
-        from clover.engine import GenerationSettings
-
+    def settings(self, max_tokens: int) -> GenerationSettings:
         return GenerationSettings(
             decoder=self.decoder,
             block_size=self.block_size,
@@ -115,18 +107,8 @@ class DecoderConfig:
             tree=self.tree,
         )
 
-    def policy(self) -> object:
-        from clover.decoding.policies import make_policy
-
-        return make_policy(
-            self.decoder,
-            self.block_size,
-            self.threshold,
-            draft=self.draft,
-            slide=self.slide,
-            adaptive=self.adaptive,
-            tree=self.tree,
-        )
+    def policy(self) -> Policy:
+        return self.settings(1).policy()
 
 
 def parse_configs(

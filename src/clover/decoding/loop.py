@@ -32,8 +32,9 @@ from clover.decoding.costs import PassCosts, model_costs, relax_shared
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.policies import Policy, Source
 from clover.decoding.prefix_cache import PrefixCache
-from clover.decoding.rows import BlockRow, Row, RowResult, SpecRow, first_eos
+from clover.decoding.rows import BlockRow, Row, RowResult, first_eos
 from clover.decoding.sampling import SamplingParams, greedy_picks
+from clover.decoding.spec_row import SpecRow
 from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 from clover.models.base import DiffusionLM

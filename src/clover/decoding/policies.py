@@ -112,10 +112,9 @@ class SelfSpec(Policy):
     the block otherwise ("mask+lookup"), or a context match and else the model's n-gram store
     of earlier text ("lookup+store", `store.NgramStore`), or a context match, else the store
     (adaptive: where it pays more than the drafter), else the drafter ("drafter+lookup+store");
-    see `rows.SpecRow`."""
+    see `spec_row.SpecRow`."""
 
     block_size: int = 32
-    refine_steps: int = 0  # bidirectional passes over a fresh draft before it is verified
     draft: str = "mask"
     # lookup / drafter drafts as long as this machine's pass costs and the row's acceptance
     # make them pay (decoding/costs.py), AR steps while they do not; False: always the most
@@ -132,8 +131,6 @@ class SelfSpec(Policy):
         super().__post_init__()
         if self.block_size < 2:
             raise CloverError("self_spec needs block_size >= 2 (one AR token + drafts)")
-        if not isinstance(self.refine_steps, int) or self.refine_steps < 0:
-            raise CloverError(f"refine_steps must be >= 0, got {self.refine_steps!r}")
         object.__setattr__(self, "sources", draft_sources(self.draft))
         if not isinstance(self.tree, int) or self.tree < 0:
             raise CloverError(f"tree must be a number of drafted tokens >= 0, got {self.tree!r}")
@@ -151,7 +148,6 @@ def make_policy(
     name: str,
     block_size: int = 32,
     threshold: float = 0.95,
-    refine_steps: int = 0,
     draft: str = "mask",
     slide: bool = False,
     adaptive: bool = True,
@@ -170,7 +166,6 @@ def make_policy(
     if name == "self_spec":
         return SelfSpec(
             block_size=block_size,
-            refine_steps=refine_steps,
             draft=draft,
             adaptive=adaptive,
             tree=tree,

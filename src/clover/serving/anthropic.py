@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from clover.decoding.settings import specs
 from clover.engine import Completion
 from clover.serving.errors import APIError, bad_request
 from clover.serving.protocol import MAX_STOPS, Names
@@ -33,9 +34,12 @@ from clover.serving.responses import Blocks, Call, matched_stop, pieces
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 UNSUPPORTED = ("mcp_servers", "container")  # refused rather than silently dropped
+# the settings a Messages request spells as chat does (`decoding/settings.py`), and the
+# two it spells its own way
+RENAMED = {"max_tokens": "max_tokens", "stop": "stop_sequences"}
 PASS_THROUGH = (
-    "decoder", "block_size", "threshold", "draft", "slide", "refine_steps", "seed", "tree",
-    "parse_special_tokens", "chat_template_kwargs", "cache_salt",
+    *(f.name for f, _ in specs("http") if f.name not in RENAMED),
+    "model", "stream", "parse_special_tokens", "chat_template_kwargs", "cache_salt",
 )  # fmt: skip
 NAMES = Names(
     tool="tools[{}]", schema="input_schema", named_choice="{type: tool, name}",
@@ -55,11 +59,6 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request("max_tokens is required", "max_tokens")
     out: dict[str, Any] = {k: body[k] for k in PASS_THROUGH if k in body}
     out["max_tokens"] = max_tokens
-    if "model" in body:
-        out["model"] = body["model"]
-    for name in ("temperature", "top_p", "top_k", "stream"):
-        if name in body:
-            out[name] = body[name]
     if isinstance(body.get("temperature"), int | float) and not 0 <= body["temperature"] <= 1:
         raise bad_request("temperature must be in [0, 1]", "temperature")
     if "stop_sequences" in body:

@@ -31,15 +31,19 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from clover.decoding.settings import specs
 from clover.engine import Completion
 from clover.serving.errors import APIError, bad_request
 from clover.serving.protocol import Names
 from clover.serving.responses import KEEPALIVE, Blocks, Call, pieces
 
+# the settings a Responses request spells as chat does (`decoding/settings.py`; `stop` too,
+# which OpenAI's Responses lacks), and the one it spells its own way
+RENAMED = {"max_tokens": "max_output_tokens"}
 PASS_THROUGH = (
-    "model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k",
-    "decoder", "block_size", "threshold", "draft", "slide", "refine_steps", "tree",
-    "parse_special_tokens", "chat_template_kwargs", "user", "cache_salt",
+    *(f.name for f, _ in specs("http") if f.name not in RENAMED),
+    "model", "stream", "parallel_tool_calls", "parse_special_tokens", "chat_template_kwargs",
+    "user", "cache_salt",
 )  # fmt: skip
 NAMES = Names(
     max_tokens="max_output_tokens", messages="input", tool="tools[{}]", schema="parameters",

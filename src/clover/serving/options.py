@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clover.checkpoints import DEFAULT_MODEL, KNOWN_MODELS, device_dtype, resolve_device
-from clover.decoding.policies import DECODERS, DRAFTS, Source, draft_sources
+from clover.decoding.policies import Source, draft_sources
+from clover.decoding.settings import GenerationSettings
 from clover.decoding.store import is_saved_store
 from clover.errors import CloverError
 from clover.serving.tenants import read_keys_file
@@ -38,13 +39,8 @@ class ServeOptions:
     max_queue: int = 64  # requests waiting beyond those; more get 503
     request_timeout: float | None = 600.0  # seconds from arrival to the last token
     max_body_bytes: int = 4 * 1024 * 1024
-    decoder: str | None = None  # None: the model's default
-    block_size: int | None = None
-    threshold: float = 0.95
-    draft: str | None = None  # self_spec draft source; None: the model's default
-    slide: bool = False  # low_confidence: a sliding window by default
-    tree: int = 0  # self_spec with a drafter: verify trees of this many drafts (greedy rows)
-    max_tokens: int = 256  # when a request does not say
+    # what a request that leaves a setting out gets (`--decoder`, ..., `--max-tokens`)
+    defaults: GenerationSettings = GenerationSettings()
     shutdown_grace: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     access_log: bool = False
     prefix_cache_mb: float | None = None  # prefixes kept across requests; None: model's size
@@ -79,31 +75,9 @@ class ServeOptions:
             raise CloverError("--request-timeout must be > 0 seconds")
         if self.max_body_bytes < 1024:
             raise CloverError("--max-body-bytes must be at least 1024")
-        if self.decoder is not None and self.decoder not in DECODERS:
-            raise CloverError(f"--decoder must be one of: {', '.join(DECODERS)}")
-        if self.draft is not None and self.draft not in DRAFTS:
-            raise CloverError(f"--draft must be one of: {', '.join(DRAFTS)}")
-        uses_drafter = self.draft is not None and Source.DRAFTER in draft_sources(self.draft)
-        if uses_drafter and self.drafter in (None, "none"):
-            entry = KNOWN_MODELS.get(self.model.strip().lower())
-            if entry is None or entry.drafter is None or self.drafter == "none":
-                raise CloverError(
-                    f"--draft {self.draft} needs --drafter FILE (clover train drafter)"
-                )
+        self._check_defaults()
         if self.wide not in ("int8", "int4"):
             raise CloverError(f"--gguf-wide must be int8 or int4, got {self.wide!r}")
-        if self.tree < 0:
-            raise CloverError("--tree must be >= 0 (drafts a pass; 0: chains)")
-        if self.tree and not uses_drafter:
-            raise CloverError("--tree grows trees from a drafter: add --draft drafter")
-        if self.slide and self.decoder != "low_confidence":
-            raise CloverError("--slide is a low_confidence option: add --decoder low_confidence")
-        if self.block_size is not None and self.block_size < 1:
-            raise CloverError("--block-size must be >= 1")
-        if not 0 <= self.threshold <= 1:
-            raise CloverError("--threshold must be in [0, 1]")
-        if self.max_tokens < 1:
-            raise CloverError("--max-tokens must be >= 1")
         if self.shutdown_grace < 0:
             raise CloverError("--shutdown-grace must be >= 0")
         if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
@@ -122,6 +96,19 @@ class ServeOptions:
                     f"--cors-origins: {origin!r} must be * or scheme://host[:port], "
                     "e.g. http://localhost:3000"
                 )
+
+    def _check_defaults(self) -> None:
+        """What the request defaults need beyond their own ranges (`GenerationSettings`)."""
+        d = self.defaults
+        uses_drafter = d.draft is not None and Source.DRAFTER in draft_sources(d.draft)
+        if uses_drafter and self.drafter in (None, "none"):
+            entry = KNOWN_MODELS.get(self.model.strip().lower())
+            if entry is None or entry.drafter is None or self.drafter == "none":
+                raise CloverError(f"--draft {d.draft} needs --drafter FILE (clover train drafter)")
+        if d.tree and not uses_drafter:
+            raise CloverError("--tree grows trees from a drafter: add --draft drafter")
+        if d.slide and d.decoder != "low_confidence":
+            raise CloverError("--slide is a low_confidence option: add --decoder low_confidence")
 
     def _check_store(self) -> None:
         for seed in self.store:

@@ -28,13 +28,11 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from clover.decoding.policies import DECODERS, DRAFTS
-from clover.engine import GenerationSettings
+from clover.decoding.settings import GenerationSettings, kind, specs
 from clover.serving.errors import APIError, bad_request
 
 MAX_N = 16  # choices per request (and prompts per completion request)
 MAX_STOPS = 16
-MAX_SEED = 2**63
 RESERVED_TEMPLATE_NAMES = frozenset(
     {"messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "unk_token"}
 )
@@ -293,30 +291,7 @@ def _common(
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     options = options or {}
     include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-    d = limits.defaults
-    decoder = body.get("decoder", d.decoder)
-    if decoder is not None and decoder not in DECODERS:
-        raise bad_request(f"decoder must be one of: {', '.join(DECODERS)}", "decoder")
-    draft = body.get("draft", d.draft)
-    if draft is not None and draft not in DRAFTS:
-        raise bad_request(f"draft must be one of: {', '.join(DRAFTS)}", "draft")
-    top_k = _int(body, "top_k", -1)
-    seed = _int(body, "seed", -MAX_SEED, MAX_SEED - 1)
-    settings = GenerationSettings(
-        decoder=decoder,
-        block_size=_int(body, "block_size", 1, min(1024, limits.context_length)) or d.block_size,
-        threshold=_pick(_number(body, "threshold", 0.0, 1.0), d.threshold),
-        max_tokens=max_tokens or d.max_tokens,
-        temperature=_pick(_number(body, "temperature", 0.0, 2.0), d.temperature),
-        top_p=_pick(_number(body, "top_p", 0.0, 1.0, open_low=True), 1.0),
-        top_k=max(top_k or 0, 0),  # -1 means "off" in some clients
-        seed=None if seed is None else seed % 2**31,  # the decoder's generator wants it small
-        stop=_stops(body.get("stop")),
-        refine_steps=_pick(_int(body, "refine_steps", 0, 8), d.refine_steps),
-        draft=draft,
-        slide=_bool(body, "slide", d.slide),
-        tree=_pick(_int(body, "tree", 0, 1024), d.tree),
-    )
+    settings = _settings(body, limits, max_tokens)
     return dict(
         model=model,
         settings=settings,
@@ -327,6 +302,38 @@ def _common(
         commits=_bool(body, "clover_commits", False),
         cache_salt=_salt(body.get("cache_salt")),
     )
+
+
+def _settings(body: dict[str, Any], limits: Limits, max_tokens: int | None) -> GenerationSettings:
+    """The decoding and sampling fields (`decoding/settings.py`, those offered over HTTP),
+    each checked against its spec; a field left out takes the server's default. max_tokens
+    (each API spells it its own way) is the caller's; seeds of any size are folded to 31
+    bits (the decoder's generator wants them small); top_k -1 means off, as some clients
+    send it."""
+    given: dict[str, Any] = {}
+    for f, spec in specs("http"):
+        value = body.get(f.name)
+        if value is None or f.name == "max_tokens":
+            continue
+        if f.name == "stop":
+            given["stop"] = _stops(value)
+        elif f.name == "top_k" and value == -1:
+            given["top_k"] = 0
+        elif kind(f) is bool:
+            given[f.name] = _bool(body, f.name, False)
+        elif spec.choices:
+            if value not in spec.choices:
+                raise bad_request(f"{f.name} must be one of: {', '.join(spec.choices)}", f.name)
+            given[f.name] = value
+        elif kind(f) is int:
+            given[f.name] = _int(body, f.name, spec.low, spec.high)
+        else:
+            given[f.name] = _number(body, f.name, spec.low, spec.high, spec.open_low)
+    if given.get("block_size", 0) > limits.context_length:
+        raise bad_request(f"block_size must be at most {limits.context_length}", "block_size")
+    if "seed" in given:
+        given["seed"] %= 2**31
+    return replace(limits.defaults, **given, max_tokens=max_tokens or limits.defaults.max_tokens)
 
 
 def _salt(salt: object) -> str | None:

@@ -104,7 +104,7 @@ class Runtime:
                 llm.model, [llm.encode("Hello")], make_policy("ar"), max_new_tokens=1
             ):
                 pass
-            if (o.decoder or llm.model.config.default_decoder) == "self_spec":
+            if (o.defaults.decoder or llm.model.config.default_decoder) == "self_spec":
                 # the pass costs adaptive drafts follow (timed once per machine, seconds):
                 # before /health says ready, not inside the first request
                 model_costs(llm.model)
@@ -116,15 +116,11 @@ class Runtime:
                 keeper.start()
                 self.store_keeper = keeper
             scheduler = Scheduler(llm, o.max_running, o.max_queue, o.deterministic)
-            defaults = GenerationSettings(
-                decoder=o.decoder, block_size=o.block_size, threshold=o.threshold,
-                max_tokens=o.max_tokens, draft=o.draft, slide=o.slide, tree=o.tree,
-            )  # fmt: skip
             self.limits = Limits(
                 model_names=(o.served_model_name or llm.name,),
                 context_length=llm.model.context_length,
                 vocab_size=llm.tokenizer.vocab_size,
-                defaults=llm.default_settings(defaults),
+                defaults=llm.default_settings(o.defaults),
                 capacity=o.max_running + o.max_queue,
             )
             scheduler.start()

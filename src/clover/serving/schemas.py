@@ -9,7 +9,10 @@ schema may still get a 400 (an unknown model, a prompt over the context), never 
 
 from __future__ import annotations
 
+from dataclasses import Field
 from typing import Any
+
+from clover.decoding.settings import Spec, kind, specs
 
 TEXT = {"type": "string", "maxLength": 200}
 NUM = {"type": "number"}
@@ -17,10 +20,19 @@ INT = {"type": "integer"}
 BOOL = {"type": "boolean"}
 STOP = {"anyOf": [TEXT, {"type": "array", "items": TEXT, "maxItems": 4}]}
 PARAMS = {"type": "object", "additionalProperties": True}  # a JSON schema (tool parameters)
+
+
+def _setting(f: Field, spec: Spec) -> dict[str, Any]:
+    if spec.choices:
+        return {"enum": list(spec.choices)}
+    return {str: TEXT, int: INT, float: NUM, bool: BOOL, tuple: STOP}[kind(f)]
+
+
+# the decoding and sampling settings (one spec each, `decoding/settings.py`) and the fields
+# every API shares
 SAMPLING = {
-    "model": TEXT, "max_tokens": INT, "temperature": NUM, "top_p": NUM, "top_k": INT,
-    "seed": INT, "stream": BOOL, "decoder": TEXT, "block_size": INT, "threshold": NUM,
-    "draft": TEXT, "slide": BOOL, "refine_steps": INT,
+    "model": TEXT, "stream": BOOL,
+    **{f.name: _setting(f, spec) for f, spec in specs("http") if f.name != "stop"},
     "cache_salt": {"type": "string", "minLength": 1, "maxLength": 200},
 }  # fmt: skip
 
