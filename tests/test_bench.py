@@ -394,14 +394,12 @@ def test_quality_keeps_each_settings_store_to_its_own_answers(llm):
     """`ar` answers every item first; a lookup+store setting must not draft from `ar`'s
     answer to the same item (nor from another store setting's): with one item its store has
     learned nothing of its own yet, so it drafts nothing from the store."""
-    from clover.decoding.store import existing_store
-
     configs = parse_configs("self_spec:4:lookup+store:fixed,self_spec:8:lookup+store:fixed")
     out = run_quality(llm, configs, ITEMS[3:4], max_tokens=12, batch_size=1)
     for name in ("self_spec:4:lookup+store:fixed", "self_spec:8:lookup+store:fixed"):
         assert "store" not in out["summary"][name]["drafts"]
         assert out["summary"][name]["agreement_with_ar"] == 1.0
-    store = existing_store(llm.model)
+    store = llm.runtime.store
     assert store.learned == [] and store.tokens == 0  # the run leaves the store as it found it
     assert out["settings"]["store"] == {"seed_tokens": 0, "seed_sequences": 0, "learning": True}
     # two items: the second may draft from the first answer of the same setting
@@ -418,6 +416,7 @@ def test_quality_times_the_pass_costs_before_any_setting(llm, monkeypatch, tmp_p
     events = []
     real_measure, real_stream = costs.measure, llm.stream
     monkeypatch.setattr(costs, "costs_path", lambda key: tmp_path / f"{key}.json")  # none known
+    monkeypatch.setattr(llm.runtime, "_costs", {})  # nor kept by the runtime: a first run
     measured = lambda *a, **k: events.append("measure") or real_measure(*a, **k)  # noqa: E731
     monkeypatch.setattr(costs, "measure", measured)
     monkeypatch.setattr(llm, "stream", lambda *a, **k: events.append("run") or real_stream(*a, **k))

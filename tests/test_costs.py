@@ -78,12 +78,12 @@ def test_lookup_drafts_grow_with_a_long_match():
 def test_rows_start_from_what_earlier_rows_saw():
     """A shared estimate (one per model and source): a fresh row of a drafter that kept
     losing starts pessimistic; the shared estimate drifts back to the prior slowly."""
-    from clover.decoding.costs import relax_shared, shared_acceptance
+    from clover.decoding.runtime import Runtime
 
-    model = tiny_model()
-    book = shared_acceptance(model, "drafter", 4)
-    assert shared_acceptance(model, "drafter", 4) is book
-    assert shared_acceptance(tiny_model(seed=1), "drafter", 4) is not book
+    runtime = Runtime(tiny_model())
+    book = runtime.shared_acceptance("drafter", 4)
+    assert runtime.shared_acceptance("drafter", 4) is book
+    assert Runtime(tiny_model(seed=1)).shared_acceptance("drafter", 4) is not book
     first = Acceptance(4, shared=book)
     for _ in range(60):
         first.update(drafted=4, accepted=0)
@@ -97,7 +97,7 @@ def test_rows_start_from_what_earlier_rows_saw():
         fresh.relax()
     assert book.p == before
     for _ in range(3000):  # nobody drafts: the shared estimate comes back to the prior
-        relax_shared(model)
+        runtime.relax()
         fresh.relax()
     assert book.p[0] > 0.5 and fresh.p[0] > 0.5
     longer = Acceptance(6, shared=book)  # more positions than the book: the rest at the prior
@@ -109,10 +109,11 @@ def test_the_shared_estimates_drift_once_per_step_at_any_batch(monkeypatch):
     to drift once per row per step, and twice for a row that had just drafted)."""
     from clover.decoding import loop
     from clover.decoding.policies import SelfSpec
+    from clover.decoding.runtime import Runtime
 
     calls, events = [], []
-    monkeypatch.setattr(loop, "relax_shared", lambda model: calls.append(model))
-    model = tiny_model(seed=3)
+    monkeypatch.setattr(Runtime, "relax", lambda self: calls.append(self))
+    model = Runtime(tiny_model(seed=3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     policy = SelfSpec(block_size=4, draft="lookup", adaptive=True)
     for event in loop.generate(model, prompts, policy, max_new_tokens=12):

@@ -312,9 +312,10 @@ def test_export_in_the_speculators_format(tmp_path):
 
 
 def attached(model, **kw):
-    drafter = drafter_for(model, **kw)
-    object.__setattr__(model, "drafter", drafter)
-    return model
+    """`model`'s runtime with a fresh drafter (what `LLM(drafter=F)` holds)."""
+    from clover.decoding.runtime import Runtime
+
+    return Runtime(model, drafter_for(model, **kw))
 
 
 def decoded(model, prompts, policy, max_new_tokens):
@@ -355,12 +356,11 @@ def test_drafter_lookup_store_drafts_are_lossless_batched():
     """drafter+lookup+store: a context match, else the n-gram store, else the drafter drafts;
     float32 greedy answers stay ar's, batched, with store and drafter drafts both verified."""
     from clover.decoding.policies import SelfSpec
-    from clover.decoding.store import model_store
 
     model = attached(tiny_model(seed=3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     ar = decoded(model, prompts, "ar", 24)
-    store = model_store(model)
+    store = model.ngram_store()
     store.add(prompts[1] + ar[1].tokens)  # the store knows one answer, and a wrong copy of one
     store.add(prompts[2] + [t + 1 for t in ar[2].tokens])
     policy = SelfSpec(block_size=4, draft="drafter+lookup+store", adaptive=False)
@@ -405,12 +405,12 @@ def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     """Rows whose draft lengths follow the measured costs take drafter drafts only while they
     run alone: in a batch each draft widens every row's pass. With costs that make drafting
     pay, one row drafts; three rows together do not; answers stay ar's either way."""
-    from clover.decoding import loop
     from clover.decoding.costs import PassCosts
     from clover.decoding.policies import SelfSpec
+    from clover.decoding.runtime import Runtime
 
     free = PassCosts({1: 10.0, 33: 10.5}, {1: 0.01, 16: 0.02})  # wide passes nearly free
-    monkeypatch.setattr(loop.BatchDecoder, "_pass_costs", lambda self, drafter: free)
+    monkeypatch.setattr(Runtime, "pass_costs", lambda self, drafter=False: free)
     model = attached(tiny_model(seed=3))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     policy = SelfSpec(block_size=4, draft="drafter", adaptive=True)
@@ -474,12 +474,13 @@ def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache(chain, tree):
     from clover.decoding.loop import BatchDecoder
     from clover.decoding.policies import SelfSpec, make_policy
     from clover.decoding.prefix_cache import PrefixCache
+    from clover.decoding.runtime import Runtime
 
     model = attached(tiny_model(seed=4), chain=chain)
     policy = SelfSpec(block_size=4, draft="drafter", adaptive=False, tree=tree)
 
     def answer(prompt, prefix=None, join=None):
-        batch = BatchDecoder(model, prefix)
+        batch = BatchDecoder(Runtime(model.model, model.drafter, prefix))
         rows = []
         if join is not None:
             rows.append(batch.add(join, make_policy("ar"), max_new_tokens=6))
@@ -733,8 +734,9 @@ def test_a_draft_vocabulary_drafts_only_from_it(head, chain, tmp_path):
     back = load_drafter(path, model)
     assert torch.equal(back.vocab, vocab) and back.config.draft_vocab == 32
     feats = torch.randn(1, 6, 2 * model.config.hidden_size)
-    full, part = DrafterRunner(model, back), DrafterRunner(model, back)
-    assert full.head is part.head is not None  # made once per drafter and model
+    made = DrafterRunner.vocab_head(model, back)  # made once (a `Runtime` keeps it)
+    full, part = DrafterRunner(model, back, made), DrafterRunner(model, back, made)
+    assert full.head is part.head is not None
     full.head = None  # the whole head: the reference
     for r in (full, part):
         r.add_row()
@@ -794,7 +796,7 @@ def test_training_sets_the_draft_vocabulary_and_a_finished_run_rewrites_its_file
     from clover.engine import LLM
 
     llm = LLM(str(tiny_checkpoint), dtype="float32", progress=False, drafter=str(path))
-    assert llm.model in llm.model.drafter.__dict__["_vocab_heads"]
+    assert llm.runtime._vocab_head is not None  # made at load, not in the first answer
 
 
 def test_cli_info_reads_a_drafter_file(tmp_path, capsys):
@@ -1042,7 +1044,7 @@ def test_a_tree_pass_gives_each_branch_what_its_own_chain_gives():
 
 
 def test_leaf_tree_keeps_the_likeliest_branches():
-    from clover.decoding.drafting import leaf_tree
+    from clover.decoding.trees import leaf_tree
 
     logp = torch.full((3, 6), -30.0)
     logp[0, 1], logp[0, 2] = math.log(0.6), math.log(0.4)  # depth 0: 1 (0.6) or 2 (0.4)
@@ -1100,7 +1102,7 @@ def test_tree_drafts_are_lossless_batched(draft, chain, monkeypatch):
 
 
 def test_graft_joins_a_chain_to_a_tree_as_one_more_branch():
-    from clover.decoding.drafting import graft
+    from clover.decoding.trees import graft
 
     tokens, parents = [4, 5, 6, 7], [-1, -1, 0, 2]  # 4 -> 6 -> 7 and 5
     assert graft(tokens, parents, [4, 6, 7]) == (tokens, parents)  # already a branch
@@ -1161,8 +1163,9 @@ def test_a_grown_tree_drafts_after_each_branch_what_its_chain_drafts(monkeypatch
     chain drafter gives after that node's branch drafted as a chain."""
     from clover.decoding.drafting import DrafterRunner
 
-    model = attached(tiny_model(seed=3), chain=True)
-    runner = DrafterRunner(model, model.drafter)
+    runtime = attached(tiny_model(seed=3), chain=True)
+    model = runtime.model
+    runner = DrafterRunner(model, runtime.drafter)
     monkeypatch.setattr(DrafterRunner, "FRONTIER", 3)
     with torch.no_grad():
         _, feats = model(torch.tensor([[5, 6, 7, 8, 9]]), None, "causal", capture=runner.layers)
@@ -1224,7 +1227,8 @@ def test_a_grown_tree_drafts_only_after_drafts_it_can_still_keep(monkeypatch):
     two rows of different sizes together, in fewer and narrower drafter passes."""
     from clover.decoding.drafting import DrafterRunner
 
-    model = attached(tiny_model(seed=3), chain=True)
+    runtime = attached(tiny_model(seed=3), chain=True)
+    model = runtime.model
     monkeypatch.setattr(DrafterRunner, "FRONTIER", 4)
     with torch.no_grad():
         _, feats = model(torch.tensor([[5, 6, 7, 8, 9]] * 2), None, "causal", capture=(0, 1))
@@ -1233,13 +1237,15 @@ def test_a_grown_tree_drafts_only_after_drafts_it_can_still_keep(monkeypatch):
     monkeypatch.setattr(DrafterRunner, "_tree_pass",
                         lambda self, t, chosen, *a: widths[-1].append(len(chosen[0]))
                         or tree_pass(self, t, chosen, *a))  # fmt: skip
-    floor = DrafterRunner._floor
+    from clover.decoding import drafting
+
+    floor = drafting.floor
     for prune in (False, True):
         if not prune:  # the reference: every depth's FRONTIER likeliest draft after themselves
-            monkeypatch.setattr(DrafterRunner, "_floor", staticmethod(lambda *a: float("-inf")))
+            monkeypatch.setattr(drafting, "floor", lambda *a: float("-inf"))
         else:
-            monkeypatch.setattr(DrafterRunner, "_floor", staticmethod(floor))
-        runner = DrafterRunner(model, model.drafter)
+            monkeypatch.setattr(drafting, "floor", floor)
+        runner = DrafterRunner(model, runtime.drafter)
         for _ in range(2):
             runner.add_row()
         runner.commit(feats, torch.tensor([5, 4]))
@@ -1346,7 +1352,7 @@ def test_a_registry_entry_s_drafter_loads_with_its_model_and_drafts_by_default(
     resolved = ResolvedModel("tiny-shipped", Path(tiny_checkpoint), "hf", entry)
     monkeypatch.setattr(loader, "resolve", lambda name, progress=True: resolved)
     llm = LLM("tiny-shipped", progress=False, dtype="float32")
-    assert llm.drafter == str(shipped) and llm.model.drafter is not None
+    assert llm.drafter == str(shipped) and llm.runtime.drafter is not None
     prompts = ["abcabcabc", "hello there"]
     default = llm.generate(prompts, max_tokens=20, adaptive=False)
     ar = llm.generate(prompts, max_tokens=20, decoder="ar")
@@ -1355,7 +1361,7 @@ def test_a_registry_entry_s_drafter_loads_with_its_model_and_drafts_by_default(
     assert LLM("tiny-shipped", progress=False, drafter=str(mine)).drafter == str(mine)
     # "none": not even the shipped one; the default drafts from context lookup instead
     bare = LLM("tiny-shipped", progress=False, dtype="float32", drafter="none")
-    assert bare.drafter is None and getattr(bare.model, "drafter", None) is None
+    assert bare.drafter is None and bare.runtime.drafter is None
     assert bare.config.draft == "lookup"
     assert [c.token_ids for c in bare.generate(prompts, max_tokens=20)] == [
         c.token_ids for c in ar]  # fmt: skip

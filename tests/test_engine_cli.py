@@ -222,7 +222,7 @@ def test_the_decoding_loop_runs_on_the_models_device():
     on the CPU they change nothing."""
     import torch
 
-    from clover.decoding.loop import on_model_device
+    from clover.decoding.batch import on_model_device
 
     class Probe:
         @on_model_device

@@ -24,9 +24,10 @@ def test_drafter_drafts_are_lossless_on_cuda(adaptive):
     """float32 on the GPU: drafter+lookup answers token-identical to ar, batched rows; adaptive
     measures the GPU's pass costs (clover.decoding.costs) on the way."""
     from clover.decoding.policies import SelfSpec
+    from clover.decoding.runtime import Runtime
 
-    model = tiny_model(seed=3).to(DEV)
-    object.__setattr__(model, "drafter", drafter_for(model).to(DEV))
+    net = tiny_model(seed=3).to(DEV)
+    model = Runtime(net, drafter_for(net).to(DEV))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
     ar = decoded(model, prompts, "ar", 24)
     policy = SelfSpec(block_size=4, draft="drafter+lookup", adaptive=adaptive)

@@ -193,7 +193,7 @@ def test_registered_next_to_the_built_in_backends():
 
 
 def test_bad_model_args(tiny_checkpoint):
-    with pytest.raises(CloverError, match="unknown decoder"):
+    with pytest.raises(CloverError, match="decoder must be one of"):
         make_lm(tiny_checkpoint, decoder="beam")
     with pytest.raises(CloverError, match="unknown clover model_args"):
         make_lm(tiny_checkpoint, pretrained="gpt2")

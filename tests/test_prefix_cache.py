@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from clover.decoding.loop import BatchDecoder, generate
 from clover.decoding.policies import LowConfidence, make_policy
 from clover.decoding.prefix_cache import PrefixCache
+from clover.decoding.runtime import Runtime
 from clover.errors import CloverError
 from clover.models import build_model, make_config
 from clover.models.clover import CloverModel, preset_config
@@ -68,8 +69,8 @@ def cache_for(model, mb=64.0, block=4, every=16):
 def run(model, prompt, policy, cache=None, marks=(), max_new=16, constraint=None):
     results = []
     loop = generate(
-        model, [prompt], policy, max_new_tokens=max_new, results=results,
-        eos_token_ids=[model.config.eos_token_id], prefix_cache=cache, marks=[marks],
+        Runtime(model, prefix_cache=cache), [prompt], policy, max_new_tokens=max_new,
+        results=results, eos_token_ids=[model.config.eos_token_id], marks=[marks],
         constraint=constraint,
     )  # fmt: skip
     for _ in loop:
@@ -166,7 +167,7 @@ def test_committed_ids_track_the_cache(arch):
     model = MODELS[arch]()
     V = model.config.vocab_size
     for name, make in POLICIES.items():
-        batch = BatchDecoder(model, cache_for(model))
+        batch = BatchDecoder(Runtime(model, prefix_cache=cache_for(model)))
         rows = [batch.add(tokens(s, 5 + 7 * s, V), make(), max_new_tokens=12) for s in range(3)]
         while batch.active:
             batch.step()
@@ -216,7 +217,7 @@ def _shared_system(arch, n):
     prompts = [system + tokens(10 + i, 3 + i, V) for i in range(n)]
     cold = [run(model, p, make_policy("ar")).tokens for p in prompts]
     cache = cache_for(model)
-    return model, system, prompts, cold, cache, BatchDecoder(model, cache)
+    return model, system, prompts, cold, cache, BatchDecoder(Runtime(model, prefix_cache=cache))
 
 
 @pytest.mark.parametrize("arch", MODELS)
@@ -272,7 +273,7 @@ def test_cancelled_row_releases_its_blocks_and_keeps_what_it_committed(arch):
     V = model.config.vocab_size
     policy = make_policy("ar")
     cache = cache_for(model)
-    batch = BatchDecoder(model, cache)
+    batch = BatchDecoder(Runtime(model, prefix_cache=cache))
     long = batch.add(tokens(6, 21, V), policy, max_new_tokens=40)
     other = batch.add(tokens(7, 13, V), policy, max_new_tokens=40)
     for _ in range(12):
@@ -295,8 +296,8 @@ def test_cancelled_row_releases_its_blocks_and_keeps_what_it_committed(arch):
 def test_closing_generation_early_releases_pins():
     model = llama()
     cache = cache_for(model)
-    loop = generate(model, [tokens(8, 20, 64)], make_policy("ar"), max_new_tokens=30,
-                    prefix_cache=cache)  # fmt: skip
+    loop = generate(Runtime(model, prefix_cache=cache), [tokens(8, 20, 64)], make_policy("ar"),
+                    max_new_tokens=30)  # fmt: skip
     next(loop)
     next(loop)
     assert cache.report()["pinned_blocks"] == 1
@@ -359,7 +360,7 @@ def test_eviction_under_pressure_stays_in_bound_and_exact(arch):
 
 
 def run_in(model, prompt, policy, cache, partition, max_new=4):
-    batch = BatchDecoder(model, cache)
+    batch = BatchDecoder(Runtime(model, prefix_cache=cache))
     row = batch.add(prompt, policy, max_new_tokens=max_new, partition=partition,
                     eos_token_ids=[model.config.eos_token_id])  # fmt: skip
     while batch.active:

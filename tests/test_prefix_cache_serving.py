@@ -309,7 +309,7 @@ def test_the_scheduler_s_answers_carry_their_drafts(checkpoint):
 
     llm = LLM(str(checkpoint), dtype="float32", progress=False)
     llm.set_prefix_cache(0)  # both answers prefill cold
-    object.__setattr__(llm.model, "drafter", drafter_for(llm.model))  # as LLM(drafter=F) does
+    llm.runtime.drafter = drafter_for(llm.model)  # as LLM(drafter=F) holds it
     settings = GenerationSettings(decoder="self_spec", block_size=4, draft="drafter+lookup",
                                   adaptive=False, max_tokens=24)  # fmt: skip
     prompt = llm.encode("a b c a b c a b c a b c a b c")

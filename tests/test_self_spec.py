@@ -266,7 +266,7 @@ def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
     from clover.decoding.drafting import DrafterRunner
     from clover.decoding.store import NgramIndex
 
-    model = tiny_model(seed=2)
+    model = decoder = tiny_model(seed=2)
     prompt = [5, 9, 12, 5, 9]
     n = 3000
     policy = make_policy("self_spec", 3, draft="mask")
@@ -274,7 +274,7 @@ def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
     if draft.startswith("chain drafter"):
         from tests.test_drafter import attached
 
-        model = attached(model, chain=True)
+        decoder = attached(model, chain=True)  # the model with a drafter
         policy = SelfSpec(block_size=3, draft="drafter", adaptive=False)
     if draft.endswith("leaning"):  # 9 x 9 y ... 9: (9, t1) and (t1, 9) always occurred before
         prompt = [t for x in range(4, model.config.vocab_size) for t in (9, x)] + [9]
@@ -284,7 +284,7 @@ def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
                             or leans[-1])  # fmt: skip
     source = "drafter" if "drafter" in draft else "mask"
     sampling = SamplingParams(temperature=1.0, seed=7)
-    results, _ = run(model, [prompt] * n, policy, max_new=3, sampling=sampling)
+    results, _ = run(decoder, [prompt] * n, policy, max_new=3, sampling=sampling)
     assert sum(r.drafts.get(source, [0, 0])[0] for r in results) >= n  # drafts were verified
     if leans:  # nearly every draft leaned to a copy
         assert len(leans) >= n and sum(x is not None for x in leans) >= 0.9 * len(leans)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clover.engine import LLM
+from clover.engine import LLM, GenerationSettings
 from clover.serving.app import create_app
 from clover.serving.options import ServeOptions
 from tests.test_server_support import serve_in_thread, write_checkpoint
@@ -71,7 +71,9 @@ def from_schema(schema: dict) -> st.SearchStrategy:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("fuzz"), 512)
-    options = ServeOptions(model=str(checkpoint), request_timeout=20, max_tokens=8)
+    options = ServeOptions(
+        model=str(checkpoint), request_timeout=20, defaults=GenerationSettings(max_tokens=8)
+    )
     load = lambda: LLM(str(checkpoint), dtype="float32", progress=False)  # noqa: E731
     with serve_in_thread(options, load) as url:
         parts = urlsplit(url)

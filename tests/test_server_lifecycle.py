@@ -61,16 +61,16 @@ def test_self_spec_pass_costs_are_timed_before_ready(tmp_path, monkeypatch):
     """A server whose decoder is self_spec times the pass costs its adaptive drafts follow
     while loading (with the drafter's passes when one is attached), not in the first
     request; an `ar` server times nothing."""
-    import clover.serving.runtime as runtime
+    from clover.decoding.runtime import Runtime
 
     checkpoint = write_checkpoint(tmp_path, 256)
     timed: list[bool] = []
-    monkeypatch.setattr(runtime, "model_costs", lambda model, drafter=False: timed.append(drafter))
+    monkeypatch.setattr(Runtime, "pass_costs", lambda self, drafter=False: timed.append(drafter))
 
     def loader(drafter: bool) -> LLM:
         llm = LLM(str(checkpoint), dtype="float32", progress=False)
-        if drafter:  # what LLM(drafter=F) attaches (its passes are timed by the stub only)
-            object.__setattr__(llm.model, "drafter", object())
+        if drafter:  # what LLM(drafter=F) holds (its passes are timed by the stub only)
+            llm.runtime.drafter = object()
         return llm
 
     cases = [("self_spec", False, [False]), ("self_spec", True, [False, True]), ("ar", True, [])]
@@ -96,7 +96,7 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
 def test_store_save_keeps_what_answers_taught_across_restarts(tmp_path):
     """--store-save: the first server's answer is in the file when it stops; the next server
     learns it again at start (and drafts from it), and rewrites nothing it did not learn."""
-    from clover.decoding.store import existing_store, read_saved
+    from clover.decoding.store import read_saved
 
     checkpoint = write_checkpoint(tmp_path, 256)
     saved = tmp_path / "store.jsonl"
@@ -111,10 +111,10 @@ def test_store_save_keeps_what_answers_taught_across_restarts(tmp_path):
         assert not saved.exists()  # nothing learned yet: nothing written
         assert httpx.post(f"{url}/v1/chat/completions", json=ASK).status_code == 200
     first = read_saved(saved, llms[0].name)
-    assert len(first) == 1 and first == existing_store(llms[0].model).learned
+    assert len(first) == 1 and first == llms[0].runtime.store.learned
     stamp = saved.stat().st_mtime_ns
     with serve_in_thread(options, loader):
-        assert existing_store(llms[1].model).learned == first
+        assert llms[1].runtime.store.learned == first
     assert saved.stat().st_mtime_ns == stamp
 
 
@@ -151,6 +151,7 @@ def test_store_options_are_checked_before_the_socket_opens(tmp_path, monkeypatch
 def test_store_keeper_writes_only_what_changed_and_retries_a_failed_write(tmp_path, caplog):
     from types import SimpleNamespace
 
+    from clover.decoding.runtime import Runtime
     from clover.decoding.store import read_saved
     from clover.serving.runtime import StoreKeeper
     from tests.conftest import tiny_model
@@ -158,7 +159,7 @@ def test_store_keeper_writes_only_what_changed_and_retries_a_failed_write(tmp_pa
     folder = tmp_path / "kept"
     folder.mkdir()
     path = folder / "store.jsonl"
-    llm = SimpleNamespace(name="tiny", model=tiny_model(0))
+    llm = SimpleNamespace(name="tiny", runtime=Runtime(tiny_model(0)))
     keeper = StoreKeeper(llm, str(path), every=3600)  # the thread never wakes in this test
     keeper.start()
     assert not keeper.save() and not path.exists()  # nothing learned: nothing written

@@ -7,15 +7,8 @@ import torch
 
 from clover.decoding.loop import generate
 from clover.decoding.policies import SelfSpec, make_policy
-from clover.decoding.store import (
-    NgramStore,
-    existing_store,
-    is_saved_store,
-    model_store,
-    read_saved,
-    save_learned,
-    seed_store,
-)
+from clover.decoding.runtime import Runtime
+from clover.decoding.store import NgramStore, is_saved_store, read_saved, save_learned, seed_store
 from clover.errors import CloverError
 from tests.conftest import ScriptedModel, tiny_model
 
@@ -76,12 +69,12 @@ def test_store_keeps_nothing_past_its_budget():
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_lookup_store_drafts_are_exact_batched(seed, adaptive):
     """Float32, batched: whatever the store drafts, the answers are `ar`'s."""
-    model = tiny_model(seed)
+    model = Runtime(tiny_model(seed))  # its store is the runtime's
     g = torch.Generator().manual_seed(seed)
     # distinct prompt tokens: the row's own context has few matches, the store drafts more
     prompts = [(torch.randperm(60, generator=g)[:n] + 4).tolist() for n in (3, 5, 7)]
     ar = run(model, prompts, make_policy("ar"), eos_token_ids=[1])
-    store = model_store(model)
+    store = model.ngram_store()
     for a in ar:  # a store that knows the answers (and wrong guesses: a shifted copy)
         store.add(a.tokens)
         store.add([t + 1 for t in a.tokens])
@@ -99,12 +92,12 @@ def test_lookup_store_drafts_are_exact_batched(seed, adaptive):
 
 def test_finished_answers_teach_the_store_so_a_repeat_drafts_from_it():
     script = [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
-    model = ScriptedModel(prompt_len=2, script=script, conf=[0.9] * 10)
+    model = Runtime(ScriptedModel(prompt_len=2, script=script, conf=[0.9] * 10))
     fixed = SelfSpec(block_size=4, draft="lookup+store", adaptive=False)
-    assert existing_store(model) is None
+    assert model.store is None
     (first,) = run(model, [[5, 6]], fixed, max_new=10)
     assert first.tokens == script and "store" not in first.drafts  # nothing to draft from yet
-    store = existing_store(model)
+    store = model.store
     assert store is not None and store.sequences == 1 and len(store.learned) == 1
     (second,) = run(model, [[5, 6]], fixed, max_new=10)
     assert second.tokens == script
@@ -116,7 +109,7 @@ def test_finished_answers_teach_the_store_so_a_repeat_drafts_from_it():
 
 
 def test_seed_store_from_a_distilled_set_and_text(tmp_path):
-    model = tiny_model(0)
+    model = Runtime(tiny_model(0))
 
     class Tok:
         def encode(self, text, split_special_tokens=True):
@@ -131,13 +124,13 @@ def test_seed_store_from_a_distilled_set_and_text(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("abcabd")
     with pytest.raises(CloverError, match="distilled from 'tiny', not 'other'"):
-        seed_store(model, [d], "other", Tok())
+        seed_store(model.ngram_store(), [d], "other", Tok())
     with pytest.raises(CloverError, match="no such file"):
-        seed_store(model, [text, tmp_path / "missing.txt"], "tiny", Tok())
+        seed_store(model.ngram_store(), [text, tmp_path / "missing.txt"], "tiny", Tok())
     with pytest.raises(CloverError, match="must be a `clover data distill` set"):
-        seed_store(model, [tmp_path], "tiny", Tok())
-    assert existing_store(model) is None  # bad input added nothing
-    store = seed_store(model, [d, text], "tiny", Tok())
+        seed_store(model.ngram_store(), [tmp_path], "tiny", Tok())
+    assert model.store.tokens == 0  # bad input added nothing
+    store = seed_store(model.ngram_store(), [d, text], "tiny", Tok())
     assert store.draft([2, 3], 3) == [4, 5, 6]
     assert store.draft([ord("a") % 50, ord("b") % 50], 1) in ([ord("c") % 50], [ord("d") % 50])
     assert store.describe() == {"seed_tokens": 12, "seed_sequences": 2, "learning": True}
@@ -165,8 +158,7 @@ def test_saved_store_round_trip_and_bad_files(tmp_path):
     with pytest.raises(CloverError, match="line 4: not a list of token ids"):
         read_saved(damaged, "tiny")
     # seed_store takes a saved store as a seed (by its header, not as text to encode)
-    model = tiny_model(0)
-    store = seed_store(model, [path], "tiny", tokenizer=None)
+    store = seed_store(NgramStore(), [path], "tiny", tokenizer=None)
     assert store.draft([1, 2], 2) == [3, 4] and store.learned == []
     with pytest.raises(CloverError, match="line 4"):
-        seed_store(tiny_model(1), [damaged], "tiny", tokenizer=None)
+        seed_store(NgramStore(), [damaged], "tiny", tokenizer=None)

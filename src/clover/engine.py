@@ -15,16 +15,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from clover.checkpoints import DEFAULT_MODEL, load
-from clover.decoding.drafting import DrafterRunner
+from clover.decoding.constraints import LogitsConstraint
 from clover.decoding.loop import RowResult, generate
-from clover.decoding.policies import SelfSpec, check_model_defaults, make_policy
+from clover.decoding.policies import Policy, SelfSpec, check_model_defaults, make_policy
 from clover.decoding.prefix_cache import PrefixCache
+from clover.decoding.runtime import Runtime
 from clover.decoding.sampling import SamplingParams
 from clover.decoding.settings import GenerationSettings
+from clover.decoding.store import seed_store
 from clover.errors import CloverError
+from clover.models.base import DiffusionLM
 from clover.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MODEL", "LLM", "Completion", "GenerationSettings", "TextDelta", "TextStream"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LLM",
+    "Completion",
+    "GenerationSettings",
+    "Request",
+    "TextDelta",
+    "TextStream",
+]
 
 
 @dataclass
@@ -59,6 +70,53 @@ class Completion:
         """Prompt tokens computed (not reused) per second of prefill."""
         n = self.prompt_tokens - self.cached_tokens
         return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request's settings made concrete, once: the policy and sampling its rows decode
+    with, the arguments each row joins a batch with, its text streams and its completions.
+    `LLM.stream` and the server's scheduler both go through it."""
+
+    settings: GenerationSettings  # the model's defaults applied
+    policy: Policy
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Tokenizer
+
+    @classmethod
+    def of(cls, llm: LLM, settings: GenerationSettings) -> Request:
+        """Checks the settings against the model (a CloverError names what is wrong)."""
+        s = llm.default_settings(settings)
+        sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+        return cls(s, s.policy(), sampling, tuple(llm.eos_token_ids), llm.tokenizer)
+
+    def text(self) -> TextStream:
+        """A row's answer as text, cut at the request's stop strings."""
+        return TextStream(self.tokenizer, self.settings.stop)
+
+    def constraint(self) -> LogitsConstraint | None:
+        """A fresh constraint for one row (constraints keep state), or None."""
+        return self.settings.constraint() if self.settings.constraint is not None else None
+
+    def completion(self, result: RowResult, text: TextStream, prompt_tokens: int,
+                   seconds: float, ttft: float = 0.0) -> Completion:  # fmt: skip
+        """A finished row's answer."""
+        r = result
+        return Completion(
+            text=text.text,
+            token_ids=r.tokens,
+            prompt_tokens=prompt_tokens,
+            finish_reason="stop" if text.stopped else r.finish_reason,
+            nfe=r.nfe,
+            seconds=seconds,
+            steps=r.steps,
+            drafts=r.drafts,
+            accepted=r.accepted,
+            cached_tokens=r.cached_tokens,
+            prefill_seconds=r.prefill_seconds,
+            ttft=ttft,
+        )
 
 
 @dataclass
@@ -98,13 +156,14 @@ class LLM:
         t0 = time.perf_counter()
         loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device,
                       drafter=drafter, wide=wide)  # fmt: skip
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.tokenizer = loaded.tokenizer
+        # the model with its drafter, n-gram store, acceptance, pass costs and prefix cache
+        self._runtime = Runtime(loaded.model, loaded.drafter_model)
         self.config = self.model.config
         check_model_defaults(self.config)  # a registry entry's decoding, checked before use
-        drafter_module = getattr(self.model, "drafter", None)
-        if drafter_module is not None and drafter_module.vocab is not None:
+        if loaded.drafter_model is not None:
             # its LM-head rows now (their x bits set by the load), not in the first answer
-            DrafterRunner.vocab_head(self.model, drafter_module)
+            self._runtime.drafter_runner()
         self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device
         self.resolved, self.directory = loaded.resolved, loaded.directory
         self.adapter, self.drafter = loaded.adapter, loaded.drafter
@@ -119,9 +178,7 @@ class LLM:
     def seed_store(self, paths: list[str | Path]) -> int:
         """Add `clover data distill` sets of this model (directories) and text files to the
         model's n-gram store (decoding/store.py); -> the n-grams it now holds."""
-        from clover.decoding.store import seed_store
-
-        return len(seed_store(self.model, paths, self.name, self.tokenizer))
+        return len(seed_store(self.runtime.ngram_store(), paths, self.name, self.tokenizer))
 
     def warm_up(self, rows: int = 1) -> None:
         """With `compile`: run the decoding loop as a first request of `rows` rows would, so
@@ -144,27 +201,43 @@ class LLM:
 
     # --- prefix cache across calls ------------------------------------------------------------
 
-    _prefix_cache: PrefixCache | None = None
     _prefix_cache_set = False
+
+    @property
+    def model(self) -> DiffusionLM:
+        return self._runtime.model
+
+    @model.setter
+    def model(self, model: DiffusionLM) -> None:
+        """Decode with another model (a test's stand-in): a fresh runtime, the same drafter
+        and prefix cache."""
+        old = self._runtime
+        self._runtime = Runtime(model, old.drafter, old.prefix_cache)
+
+    @property
+    def runtime(self) -> Runtime:
+        """What decoding this model needs beside its weights (`decoding/runtime.py`), its
+        prefix cache made by now; every decoder of this model shares it."""
+        if not self._prefix_cache_set:
+            self.set_prefix_cache(None)
+        return self._runtime
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """Committed prefixes kept across calls; made on first use at this model's default
         size (`PrefixCache.for_model`); None when turned off (`set_prefix_cache(0)`)."""
-        if not self._prefix_cache_set:
-            self.set_prefix_cache(None)
-        return self._prefix_cache
+        return self.runtime.prefix_cache
 
     @prefix_cache.setter
     def prefix_cache(self, cache: PrefixCache | None) -> None:
         """Use this cache (None: none), e.g. to put back one set aside."""
-        self._prefix_cache, self._prefix_cache_set = cache, True
+        self._runtime.prefix_cache, self._prefix_cache_set = cache, True
 
     def set_prefix_cache(self, mb: float | None) -> None:
         """A new prefix cache of `mb` MiB (None: the model's default, 0: none); what the old
         one held is dropped."""
-        self._prefix_cache = None if mb == 0 else PrefixCache.for_model(self.model, mb)
-        self._prefix_cache_set = True
+        cache = None if mb == 0 else PrefixCache.for_model(self.model, mb)
+        self._runtime.prefix_cache, self._prefix_cache_set = cache, True
 
     def chat_marks(
         self, messages: list[dict], prompt: list[int], **template_kwargs: object
@@ -231,23 +304,21 @@ class LLM:
         kept), for measurements that must not depend on what ran before: a warm prefill
         multiplies fewer rows, and 16-bit/int4 kernels round by shape, so a near-tie can
         flip (float32 answers are identical either way)."""
-        s = self.default_settings(settings)
-        policy = s.policy()
-        sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
-        texts = [TextStream(self.tokenizer, s.stop) for _ in prompts]
+        request = Request.of(self, settings)
+        texts = [request.text() for _ in prompts]
         results: list[RowResult] = []
         t0 = time.perf_counter()
         loop = generate(
-            self.model,
+            self.runtime,
             prompts,
-            policy,
-            max_new_tokens=s.max_tokens,
-            sampling=sampling,
-            eos_token_ids=self.eos_token_ids,
+            request.policy,
+            max_new_tokens=request.settings.max_tokens,
+            sampling=request.sampling,
+            eos_token_ids=request.eos_token_ids,
             stop=lambda row, final: texts[row].on_final(final),
             results=results,
-            constraint=(lambda _row: s.constraint()) if s.constraint is not None else None,
-            prefix_cache=self.prefix_cache if cached else None,
+            constraint=lambda _row: request.constraint(),
+            cached=cached,
             marks=marks,
         )
         first = [0.0] * len(prompts)
@@ -265,20 +336,7 @@ class LLM:
         seconds = time.perf_counter() - t0
         if completions is not None:
             completions[:] = [
-                Completion(
-                    text=texts[i].text,
-                    token_ids=r.tokens,
-                    prompt_tokens=len(prompts[i]),
-                    finish_reason="stop" if texts[i].stopped else r.finish_reason,
-                    nfe=r.nfe,
-                    seconds=seconds,
-                    steps=r.steps,
-                    drafts=r.drafts,
-                    accepted=r.accepted,
-                    cached_tokens=r.cached_tokens,
-                    prefill_seconds=r.prefill_seconds,
-                    ttft=first[i],
-                )
+                request.completion(r, texts[i], len(prompts[i]), seconds, first[i])
                 for i, r in enumerate(results)
             ]
 

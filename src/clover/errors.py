@@ -8,3 +8,8 @@ from a request.
 
 class CloverError(Exception):
     """A clear, user-facing error: bad input, missing file, unsupported checkpoint."""
+
+
+class ContextTooLong(CloverError):
+    """A prompt (with what it asks to generate) does not fit the model's context: the
+    server answers it as OpenAI does, `context_length_exceeded`."""

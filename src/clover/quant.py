@@ -341,13 +341,13 @@ def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
     return sub
 
 
-def set_dots_x(model: nn.Module, bits: int) -> None:
+def set_dots_x(model: nn.Module, bits: int, drafter: nn.Module | None = None) -> None:
     """In place: the integer dots of `model`'s 4- and 5-bit weights take x on `bits` (8 or 15)
-    bits per group (`clover.kernels`), in its modules, its fused layers (built again) and a
-    drafter it carries; `$CLOVER_DOTS_X` still overrides it."""
+    bits per group (`clover.kernels`), in its modules, its fused layers (built again) and its
+    drafter, if given; `$CLOVER_DOTS_X` still overrides it."""
     if bits not in (8, 15):
         raise ValueError(f"dots x bits {bits}: 8 or 15")
-    for owner in (model, getattr(model, "drafter", None)):
+    for owner in (model, drafter):
         if owner is None:
             continue
         object.__setattr__(owner, "dots_x", bits)

@@ -65,9 +65,7 @@ def _our_rss_key(dtype: str, compiled: bool) -> str:
 
 
 def _store_record(llm: object) -> dict | None:
-    from clover.decoding.store import existing_store
-
-    store = existing_store(llm.model)
+    store = llm.runtime.store
     return None if store is None else store.describe()
 
 
@@ -88,7 +86,6 @@ def cmd_speed(a: argparse.Namespace) -> int:
         run_speed,
     )
     from clover.data.bench_prompts import SPEED_PROMPTS
-    from clover.decoding.store import existing_store, model_store
     from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
@@ -118,8 +115,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
     # would draft the next run's from them; it stays at its seed
     for llm in list(llms.values()) + compiled:
         if any(Source.STORE in draft_sources(c.draft) for c in configs):
-            model_store(llm.model)  # made now: its first rows' answers must not feed it
-        store = existing_store(llm.model)
+            llm.runtime.ngram_store()  # made now: its first rows' answers must not feed it
+        store = llm.runtime.store
         if store is not None:
             store.learning = False
     first = next(iter(llms.values()))
@@ -248,7 +245,6 @@ def format_speed(report: dict) -> str:
 def cmd_quality(a: argparse.Namespace) -> int:
     from clover.bench.quality import run_quality
     from clover.data.suite import load_suite
-    from clover.decoding.store import existing_store
     from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
@@ -260,8 +256,8 @@ def cmd_quality(a: argparse.Namespace) -> int:
     llm = LLM(a.model, dtype=a.dtype, progress=False, adapter=a.adapter, drafter=a.drafter,
               store=a.store)  # fmt: skip
     configs = parse_configs(text, DecoderConfig.model_default(llm.config))
-    if a.store_frozen and existing_store(llm.model) is not None:
-        existing_store(llm.model).learning = False
+    if a.store_frozen and llm.runtime.store is not None:
+        llm.runtime.store.learning = False
     reference = None
     if a.reference != "none":
         same = a.reference == a.model and a.reference_dtype == llm.dtype

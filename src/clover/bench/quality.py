@@ -29,9 +29,7 @@ import torch
 from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
 from clover.data.suite import KINDS
-from clover.decoding.costs import model_costs
 from clover.decoding.policies import Source, draft_sources
-from clover.decoding.store import existing_store, model_store
 from clover.errors import CloverError
 
 CHECKED = ("code", "math", "fact")
@@ -152,12 +150,12 @@ def run_quality(
     # the model's n-gram store (self_spec draft="lookup+store") learns from finished answers:
     # each config keeps what its own answers taught it, never another config's (same items)
     if any(Source.STORE in draft_sources(c.draft) for c in configs):
-        model_store(llm.model)  # made now, not by the first such row: others' answers feed it
-    store = existing_store(llm.model)
+        llm.runtime.ngram_store()  # made now, not by the first such row: others' answers feed it
+    store = llm.runtime.store
     for c in configs:  # this machine's pass costs, timed now if they are not known yet (a
         # first timing would otherwise land in the first self_spec setting's seconds)
         if c.decoder == "self_spec" and c.adaptive and c.draft != "mask":
-            model_costs(llm.model, drafter=Source.DRAFTER in draft_sources(c.draft))
+            llm.runtime.pass_costs(drafter=Source.DRAFTER in draft_sources(c.draft))
     learned: dict[str, list] = {c.name: [] for c in configs}
     for start in range(0, len(items), batch_size):
         batch = list(range(start, min(start + batch_size, len(items))))

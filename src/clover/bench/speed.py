@@ -87,9 +87,8 @@ class CloverEngine:
         first: dict[int, float] = {}
         t0 = time.perf_counter()
         # no EOS ids: every row makes exactly n tokens
-        loop = generate(
-            self.llm.model, prompts, self.config.policy(), max_new_tokens=n, results=results
-        )
+        loop = generate(self.llm.runtime, prompts, self.config.policy(), max_new_tokens=n,
+                        results=results, cached=False)  # fmt: skip
         for event in loop:
             for row in event.final:
                 first.setdefault(row, time.perf_counter() - t0)

@@ -33,6 +33,7 @@ from clover.errors import CloverError
 from clover.files import atomic_write_text
 from clover.models import make_config
 from clover.models.base import DiffusionLM
+from clover.models.drafter import Drafter, load_drafter
 from clover.quant import release_freed_memory
 from clover.tokenizer import Tokenizer
 
@@ -58,7 +59,8 @@ class Loaded:
     directory: Path | None  # the tokenizer's folder: an HF directory, a GGUF's cache entry's
     resolved: ResolvedModel | None  # None for a preset
     adapter: str | None  # the draft adapter file attached, if any
-    drafter: str | None = None  # the drafter file attached (`model.drafter`), if any
+    drafter: str | None = None  # the drafter file loaded, if any
+    drafter_model: Drafter | None = None  # that drafter, on the model's device and precision
 
 
 def gguf_entry(resolved: ResolvedModel, progress: bool = True) -> Path:
@@ -306,11 +308,9 @@ def load(
         keep_float32(net)
     net.to(dev)
     if drafter is not None:  # self_spec draft="drafter" (models/drafter.py)
-        from clover.models.drafter import load_drafter
-
         if not Path(drafter).is_file():
             raise CloverError(f"drafter file {drafter} not found")
-        # not a submodule: the model's own state, casts and quantization leave it alone
+        # its own module: the model's state, casts and quantization leave it alone
         if dtype == "int4":  # its linears in 4 bits too (from the file's weights as they are)
             from clover.quant import quantize_linears, release_freed_memory
 
@@ -321,13 +321,14 @@ def load(
             release_freed_memory()  # the file's tensors
         else:
             d = load_drafter(Path(drafter), net).to(dev)
-        object.__setattr__(net, "drafter", d)
         drafter = str(drafter)
+    else:
+        d = None
     if resolved is not None and resolved.entry is not None and resolved.entry.dots_x != 15:
         from clover.quant import set_dots_x
 
-        set_dots_x(net, resolved.entry.dots_x)
-    return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter)
+        set_dots_x(net, resolved.entry.dots_x, d)
+    return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter, d)
 
 
 def _overrides(resolved: ResolvedModel) -> dict:

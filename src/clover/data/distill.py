@@ -160,7 +160,7 @@ def distill(
     t0, tokens, written, too_long = time.perf_counter(), 0, 0, 0
     context = llm.model.context_length
     with open(path, "a", encoding="utf-8") as f, _on(dev):
-        batch = BatchDecoder(llm.model)
+        batch = BatchDecoder(llm.runtime, cached=False)
         running: dict[int, tuple] = {}  # row index -> (prompt, its ids, its row, top-k by index)
         seen: list[tuple[int, torch.Tensor, list]] = []  # this step's rows' logits
 

@@ -150,7 +150,7 @@ def self_prompt_set(llm: object, n: int, out_dir: Path, *, seed: int = 0,
 
         bar = tqdm(total=n, initial=len(records), desc="self prompts", unit="prompt")
     t0 = time.perf_counter()
-    batch = BatchDecoder(llm.model)
+    batch = BatchDecoder(llm.runtime, cached=False)
     running: dict[int, tuple] = {}  # attempt -> (opening, row)
     done: dict[int, dict] = {}  # finished attempts not yet written (they go in order)
     attempt = len(attempts)

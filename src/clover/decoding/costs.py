@@ -19,14 +19,16 @@ import json
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from clover.files import atomic_write_text
+from clover import kernels
+from clover.decoding.drafting import DrafterRunner
+from clover.files import atomic_write_text, cache_dir
+from clover.models.drafter import Drafter, fingerprint
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
 
@@ -81,15 +83,15 @@ def best_rate(accept: list[float], costs: PassCosts, most: int,
 class Acceptance:
     """Per draft position, the running chance that it is kept (given the ones before were).
 
-    With `shared` (`shared_acceptance`: one per model and draft source, fed by every row) a
-    row starts from what the rows before it saw and drifts back toward that, not toward a
-    fixed prior: a fresh row of a weak drafter starts pessimistic instead of paying for
+    With `shared` (`Runtime.shared_acceptance`: one per model and draft source, fed by every
+    row) a row starts from what the rows before it saw and drifts back toward that, not
+    toward a fixed prior: a fresh row of a weak drafter starts pessimistic instead of paying for
     drafts until it learns. The shared estimate itself drifts slowly toward the prior, so a
     source that stopped drafting everywhere is tried again later.
 
     `update` takes evidence, `relax` drifts: a row calls `relax` once per step (whether it
     drafted or not), and the decode loop relaxes the shared estimates once per step
-    (`relax_shared`), however many rows run."""
+    (`Runtime.relax`), however many rows run."""
 
     def __init__(self, positions: int, prior: float = 0.6, rate: float = 0.2,
                  drift: float = 0.02, shared: Acceptance | None = None) -> None:  # fmt: skip
@@ -110,7 +112,7 @@ class Acceptance:
 
     def relax(self) -> None:
         """Drift toward the prior, or the shared estimate (a row that stopped drafting tries
-        again later). A row's relax leaves the shared estimate alone: `relax_shared`."""
+        again later). A row's relax leaves the shared estimate alone: `Runtime.relax`."""
         if self.shared is None:
             self.p = [x + self.drift * (self.prior - x) for x in self.p]
             return
@@ -119,29 +121,10 @@ class Acceptance:
                   for i, x in enumerate(self.p)]  # fmt: skip
 
 
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def shared_acceptance(model: torch.nn.Module, source: str, positions: int) -> Acceptance:
-    """The acceptance every row of `model` reports to for one draft source (this process):
-    learns 4x slower than a row's and drifts back to the prior 10x slower."""
-    book = _SHARED.setdefault(model, {})
-    return book.setdefault((source, positions), Acceptance(positions, rate=0.05, drift=0.002))
-
-
-def relax_shared(model: torch.nn.Module) -> None:
-    """One step of drift for `model`'s shared estimates: called once per decode step, so they
-    come back toward the prior at the same pace at batch 1 and batch 8."""
-    for book in _SHARED.get(model, {}).values():
-        book.relax()
-
-
 # --- measured once, cached ------------------------------------------------------------------
 
 
 def costs_key(model: torch.nn.Module, label: str) -> str:
-    from clover import kernels
-    from clover.models.drafter import fingerprint
 
     weight = next(model.parameters())
     module = kernels.load() if weight.device.type == "cpu" else None  # CPU kernels: no build
@@ -157,12 +140,10 @@ def costs_key(model: torch.nn.Module, label: str) -> str:
 
 
 def costs_path(key: str) -> Path:
-    from clover.files import cache_dir
-
     return cache_dir() / "costs" / f"{key}.json"
 
 
-def measure(model: torch.nn.Module, drafter: object = None, reps: int = 5,
+def measure(model: torch.nn.Module, drafter: Drafter | None = None, reps: int = 5,
             widths: tuple[int, ...] = WIDTHS) -> PassCosts:  # fmt: skip
     """Time causal passes of each width over a cache of 256 tokens (the bench harness)."""
     cached = min(256, model.context_length // 2)  # what a typical prompt leaves in the cache
@@ -173,8 +154,6 @@ def measure(model: torch.nn.Module, drafter: object = None, reps: int = 5,
     verify = {w: r["ms"] for w, r in timed.items()}
     draft: dict[int, float] = {}
     if drafter is not None:
-        from clover.decoding.drafting import DrafterRunner
-
         runner = DrafterRunner(model, drafter)
         runner.add_row()
         width = len(drafter.config.feature_layers) * model.config.hidden_size
@@ -191,7 +170,7 @@ def measure(model: torch.nn.Module, drafter: object = None, reps: int = 5,
     return PassCosts(verify, draft)
 
 
-def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> PassCosts:
+def cached_costs(model: torch.nn.Module, label: str, drafter: Drafter | None = None) -> PassCosts:
     """The cost table for this model here, measured on first use and kept in the user cache."""
     if drafter is not None:  # its shape and head decide its pass's cost
         c = drafter.config
@@ -212,10 +191,10 @@ def cached_costs(model: torch.nn.Module, label: str, drafter: object = None) -> 
     return costs
 
 
-def model_costs(model: torch.nn.Module, drafter: bool = False) -> PassCosts:
-    """The table the decode loop reads for `model` (with its attached drafter's passes when
-    `drafter`); `clover bench` calls it before timing anything, so that a first measurement
-    does not land in a setting's seconds."""
+def model_costs(model: torch.nn.Module, drafter: Drafter | None = None) -> PassCosts:
+    """The table the decode loop reads for `model` (with `drafter`'s passes, if given);
+    `clover bench` asks for it before timing anything, so that a first measurement does not
+    land in a setting's seconds."""
     head = getattr(model, "quantized_head", None)
     w = getattr(head, "weight", None)  # its format decides its cost
     label = (
@@ -223,7 +202,7 @@ def model_costs(model: torch.nn.Module, drafter: bool = False) -> PassCosts:
         if head is None
         else f"{type(head).__name__}:{getattr(w, 'bits', '')}:{getattr(w, 'group', '')}"
     )
-    return cached_costs(model, label, model.drafter if drafter else None)
+    return cached_costs(model, label, drafter)
 
 
 # --- timing one pass -------------------------------------------------------------------------
@@ -254,8 +233,6 @@ def pass_costs(
     """{width: {"ms": median ms (with best: the fastest) of a pass of `width` tokens per row
     + the head over them, "stages": {stage: ms} (fused layers, with profile)}} over a cache
     of `cache_tokens`."""
-    from clover import kernels
-
     vocab = vocab or model.config.vocab_size
     device = next(model.parameters()).device  # the tokens come from a generator there
     gen = torch.Generator(device=device).manual_seed(0)

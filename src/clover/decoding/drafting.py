@@ -16,85 +16,17 @@ way); it costs draft quality, never exactness (every draft is verified).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
 
 from clover.decoding.sampling import draw_drafts
+from clover.decoding.trees import PAD, branch, floor, leaf_tree, likeliest
 from clover.models.drafter import Drafter
 from clover.models.layout import StepLayout
+from clover.quant import head_rows, release_freed_memory
 
 Pick = Callable[[int, torch.Tensor], torch.Tensor]  # (position, logits [B, V]) -> ids [B]
-PAD = -2  # a place in a tree pass that a row with fewer drafts at that depth leaves empty
-
-
-def leaf_tree(
-    logits: torch.Tensor, chain: list[int], nodes: int, widest: int = 8
-) -> tuple[list[int], list[int]]:
-    """A tree of `nodes` drafts from a chain drafter's logits [n, V] at its n depths and the
-    chain it drafted (each depth's pick, read by the next depth's pass): the chain's nodes and,
-    beside them, other guesses at each depth (up to widest - 1, hanging on the chain's node
-    before: the drafter gives their logits in the same pass, so they cost no drafter pass, but
-    nothing is drafted after them). Every candidate is worth the drafter's probability of the
-    branch that ends in it; the `nodes` likeliest are kept (EAGLE-2's rule, Li et al. 2024,
-    on a tree whose only deep branch is the chain); a parent is always worth at least its
-    children, so the kept set is a tree. -> (tokens, parents: index of each token's parent
-    among them, -1 for the root; parents come first)."""
-    n = min(len(chain), logits.shape[0])
-    if n == 0 or nodes < 1:
-        return [], []
-    logp = torch.log_softmax(logits[:n].float(), -1)
-    top = logp.topk(min(widest, logp.shape[-1]), -1)
-    on = logp[torch.arange(n), torch.tensor(chain[:n])]
-    upto = torch.cumsum(on, 0).tolist()  # the chain's branch to each depth
-    tree: list[list] = []  # as a grown tree's nodes: [token, parent, depth, value, None]
-    parent = -1  # the chain's node before this depth
-    for d in range(n):
-        before = upto[d - 1] if d else 0.0
-        tree.append([chain[d], parent, d + 1, upto[d], None])
-        others = [(v, t) for v, t in zip(top.values[d].tolist(), top.indices[d].tolist())
-                  if t != chain[d] and v > float("-inf")]  # fmt: skip
-        for v, t in others[: widest - 1]:
-            tree.append([t, parent, d + 1, before + v, None])
-        parent = len(tree) - 1 - len(others[: widest - 1])
-    return likeliest(tree, nodes, n)
-
-
-def likeliest(tree: list[list], nodes: int, depth: int) -> tuple[list[int], list[int]]:
-    """The `nodes` likeliest drafts of a tree (nodes [token, parent index or -1, depth,
-    value, ...], each parent before its children), at most `depth` deep, parents first ->
-    (tokens, parents). A node is taken only after its parent (ties: the shallower first)."""
-    order = sorted(range(len(tree)), key=lambda i: (-tree[i][3], tree[i][2], i))
-    kept: set = set()
-    for i in order:
-        if len(kept) == nodes:
-            break
-        if tree[i][2] <= depth and (tree[i][1] < 0 or tree[i][1] in kept):
-            kept.add(i)
-    ranked = sorted(kept, key=lambda i: (tree[i][2], i))
-    where = {i: j for j, i in enumerate(ranked)}
-    return [tree[i][0] for i in ranked], [where.get(tree[i][1], -1) for i in ranked]
-
-
-def graft(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
-    """A tree of drafts (tokens, parents: parents first, -1 the root) with `chain` (a context
-    lookup's draft after the same root) joined as one more branch: it follows the tree's nodes
-    while they draft its tokens, then goes on as new nodes, appended (so parents still come
-    first). The tree's own nodes keep their places."""
-    tokens, parents = list(tokens), list(parents)
-    children: dict[tuple[int, int], int] = {}
-    for i, (p, t) in enumerate(zip(parents, tokens)):
-        children.setdefault((p, t), i)
-    node = -1
-    for t in chain:
-        nxt = children.get((node, t))
-        if nxt is None:
-            tokens.append(t)
-            parents.append(node)
-            nxt = children[(node, t)] = len(tokens) - 1
-        node = nxt
-    return tokens, parents
 
 
 class DrafterRunner:
@@ -106,7 +38,11 @@ class DrafterRunner:
     # 0 turns it off. Drafts stay drafts: verification is exact.
     COPY_BONUS = 4.0
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter) -> None:
+    def __init__(
+        self, model: torch.nn.Module, drafter: Drafter, vocab_head: tuple | None = None
+    ) -> None:
+        """vocab_head: `vocab_head(model, drafter)` made before (`Runtime` keeps one), else
+        made here."""
         self.model, self.drafter = model, drafter
         self.layers = tuple(drafter.config.feature_layers)
         self.cache = None
@@ -115,24 +51,19 @@ class DrafterRunner:
         # summing the chunks' lengths every step grows costly as backlogs grow)
         self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
         if drafter.vocab is not None:
-            self.head, self.vocab = self.vocab_head(model, drafter)
+            self.head, self.vocab = vocab_head or self.vocab_head(model, drafter)
             # each token's column among the draft vocabulary's (-1: not in it)
             self.column = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
             self.column[self.vocab.cpu()] = torch.arange(len(self.vocab))
 
     @staticmethod
     def vocab_head(model: torch.nn.Module, drafter: Drafter) -> tuple:
-        """(the LM head's rows of the drafter's vocabulary, those ids), made once per drafter
-        and model: it reads most of the head's tiles, which made per batch would cost every
-        request that time, so `load` makes it up front."""
-        made = drafter.__dict__.setdefault("_vocab_heads", weakref.WeakKeyDictionary())
-        if model not in made:
-            from clover.quant import head_rows, release_freed_memory
-
-            vocab = drafter.vocab.to(model.device)
-            made[model] = (head_rows(model, vocab), vocab)
-            release_freed_memory()  # the rows' levels, unpacked on the way
-        return made[model]
+        """(the LM head's rows of the drafter's vocabulary, those ids). It reads most of the
+        head's tiles: `Runtime` makes it once per model."""
+        vocab = drafter.vocab.to(model.device)
+        head = head_rows(model, vocab)
+        release_freed_memory()  # the rows' levels, unpacked on the way
+        return head, vocab
 
     @property
     def block_size(self) -> int:
@@ -313,86 +244,77 @@ class DrafterRunner:
         if not self.drafter.config.chain:
             raise ValueError("trees grow from a chain drafter (a block drafter: leaf_tree)")
         B, K = len(first), max(1, min(self.FRONTIER, max(nodes)))
-        embed, cache = self.model.embed_rows, self.cache
+        embed = self.model.embed_rows
         # nodes per row: [token, parent node, depth, value, block slot once drafted after]
         trees: list[list[list]] = [[] for _ in range(B)]
-
-        def grow(h: torch.Tensor, parents: list[list[int]]) -> None:
-            """h [B, k, D] of drafted-after nodes (parents[b][j]; -1: the root) -> children."""
-            # scored over the draft vocabulary's columns only (the other tokens are -inf in
-            # the chain's logits: the same log-probabilities and picks, without filling and
-            # normalizing the whole vocabulary at each node: 151,936 ids on the coder)
-            logits = self._head_logits(h)  # [B, k, n]
-            for b in range(B):
-                for j, p in enumerate(parents[b]):
-                    if p == PAD:
-                        continue
-                    branch = self._branch(trees[b], p)
-                    copy = lean(b, branch) if lean is not None and self.COPY_BONUS else None
-                    col = self._column(copy)
-                    if col is not None:
-                        logits[b, j, col] += self.COPY_BONUS
-            col = self._column(mask_id)
-            if col is not None:
-                logits[..., col] = float("-inf")
-            top = torch.log_softmax(logits, -1).topk(min(K, logits.shape[-1]), -1)
-            ids = top.indices if self.head is None else self.vocab[top.indices]
-            for b in range(B):
-                for j, p in enumerate(parents[b]):
-                    if p == PAD:
-                        continue
-                    base = trees[b][p][3] if p >= 0 else 0.0
-                    d = trees[b][p][2] + 1 if p >= 0 else 1
-                    for v, t in zip(top.values[b, j].tolist(), ids[b, j].tolist()):
-                        if v > float("-inf"):
-                            trees[b].append([t, p, d, base + v, None])
-
         depths = depths or [depth] * B
         with torch.inference_mode():
             ids = torch.stack([first, first], 1)  # block positions 0 and 1 read `first`
-            h = self.drafter.chain_hidden(ids, 0, embed, cache)
-            grow(h[:, -1:], [[-1] for _ in range(B)])
+            h = self.drafter.chain_hidden(ids, 0, embed, self.cache)
+            self._grow(trees, h[:, -1:], [[-1] for _ in range(B)], K, lean, mask_id)
             offset = 2
             for d in range(1, depth):
-                # each row's K likeliest drafts at depth d draft after themselves, but only
-                # those that can still be kept: a draft worth less than the row's nodes[b]-th
-                # likeliest so far never is, nor are its children (a branch is never worth
-                # more than its parent); a row with none left, or at its depth, is done
-                chosen = []
-                for b in range(B):
-                    if d >= depths[b]:
-                        chosen.append([])
-                        continue
-                    floor = self._floor(trees[b], nodes[b], depths[b])
-                    at = [i for i, n in enumerate(trees[b]) if n[2] == d and n[3] >= floor]
-                    at.sort(key=lambda i: -trees[b][i][3])
-                    chosen.append(at[:K])
-                if max(len(c) for c in chosen) == 0:
+                chosen = self._frontier(trees, nodes, depths, d, K)
+                if chosen is None:
                     break
-                k = max(len(c) for c in chosen)
-                chosen = [c + [PAD] * (k - len(c)) for c in chosen]  # a short row pads
                 for b, c in enumerate(chosen):
                     for j, i in enumerate(c):
                         if i != PAD:
                             trees[b][i][4] = offset + j
-                grow(self._tree_pass(trees, chosen, offset, d, embed), chosen)
-                offset += k
+                h = self._tree_pass(trees, chosen, offset, d, embed)
+                self._grow(trees, h, chosen, K, lean, mask_id)
+                offset += len(chosen[0])
         return [likeliest(t, n, d) for t, n, d in zip(trees, nodes, depths)]
 
     @staticmethod
-    def _floor(tree: list[list], nodes: int, depth: int) -> float:
-        """The value a draft needs to be among the `nodes` likeliest of a tree so far (at most
-        `depth` deep; -inf while it has fewer): later drafts only add rivals."""
-        values = sorted((n[3] for n in tree if n[2] <= depth), reverse=True)
-        return values[nodes - 1] if 0 < nodes <= len(values) else float("-inf")
+    def _frontier(trees: list[list[list]], nodes: list[int], depths: list[int], d: int,
+                  K: int) -> list[list[int]] | None:  # fmt: skip
+        """Each row's K likeliest drafts at depth d that can still be kept (a draft worth less
+        than the row's nodes[b]-th likeliest so far never is, nor are its children: a branch
+        is never worth more than its parent), padded with PAD to the same count; a row at its
+        depth has none. None when no row has any."""
+        chosen = []
+        for tree, n, most in zip(trees, nodes, depths):
+            if d >= most:
+                chosen.append([])
+                continue
+            least = floor(tree, n, most)
+            at = [i for i, node in enumerate(tree) if node[2] == d and node[3] >= least]
+            at.sort(key=lambda i: -tree[i][3])
+            chosen.append(at[:K])
+        k = max(len(c) for c in chosen)
+        return None if k == 0 else [c + [PAD] * (k - len(c)) for c in chosen]
 
-    @staticmethod
-    def _branch(tree: list[list], node: int) -> list[int]:
-        out = []
-        while node >= 0:
-            out.append(tree[node][0])
-            node = tree[node][1]
-        return out[::-1]
+    def _grow(self, trees: list[list[list]], h: torch.Tensor, parents: list[list[int]], K: int,
+              lean: Callable[[int, list[int]], int | None] | None,
+              mask_id: int | None) -> None:  # fmt: skip
+        """h [B, k, D] of drafted-after nodes (parents[b][j]; -1: the root) -> their K
+        likeliest children, appended to each row's tree. Scored over the draft vocabulary's
+        columns only (the other tokens are -inf in the chain's logits: the same
+        log-probabilities and picks, without filling and normalizing the whole vocabulary at
+        each node: 151,936 ids on the coder)."""
+        logits = self._head_logits(h)  # [B, k, n]
+        for b, tree in enumerate(trees):
+            for j, p in enumerate(parents[b]):
+                if p == PAD:
+                    continue
+                copy = lean(b, branch(tree, p)) if lean is not None and self.COPY_BONUS else None
+                col = self._column(copy)
+                if col is not None:
+                    logits[b, j, col] += self.COPY_BONUS
+        col = self._column(mask_id)
+        if col is not None:
+            logits[..., col] = float("-inf")
+        top = torch.log_softmax(logits, -1).topk(min(K, logits.shape[-1]), -1)
+        ids = top.indices if self.head is None else self.vocab[top.indices]
+        for b, tree in enumerate(trees):
+            for j, p in enumerate(parents[b]):
+                if p == PAD:
+                    continue
+                base, d = (tree[p][3], tree[p][2] + 1) if p >= 0 else (0.0, 1)
+                for v, t in zip(top.values[b, j].tolist(), ids[b, j].tolist()):
+                    if v > float("-inf"):
+                        tree.append([t, p, d, base + v, None])
 
     def _tree_pass(self, trees: list, chosen: list[list[int]], offset: int, d: int,
                    embed: Callable) -> torch.Tensor:  # fmt: skip

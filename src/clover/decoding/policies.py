@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clover.errors import CloverError
+from clover.errors import CloverError, ContextTooLong
+from clover.models.base import DiffusionLM
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class SelfSpec(Policy):
     # make them pay (decoding/costs.py), AR steps while they do not; False: always the most
     adaptive: bool = True
     # > 0: a drafter's drafts form a tree of this many tokens, verified in one pass (greedy
-    # rows; `drafting.leaf_tree`): its best chain plus the likeliest other guesses at each
+    # rows; `trees.leaf_tree`): its best chain plus the likeliest other guesses at each
     # depth. 0: the chain alone
     tree: int = 0
     name: str = "self_spec"
@@ -171,6 +172,40 @@ def make_policy(
             tree=tree,
         )
     raise CloverError(f"unknown decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+
+
+def check_request(
+    model: DiffusionLM, prompt: list[int], policy: Policy, max_new: int, drafter: bool
+) -> None:
+    """Refuse, before anything runs, a request this model (with a drafter or not) cannot
+    decode with this policy."""
+    config = model.config
+    if not prompt:
+        raise CloverError("empty prompt: give at least one token")
+    if max_new < 1:
+        raise CloverError(f"max_new_tokens must be >= 1, got {max_new}")
+    if policy.needs_mask(config.shifted) and config.mask_token_id is None:
+        hint = "--draft lookup" if policy.speculative else "--decoder ar"
+        raise CloverError(
+            f"this model has no mask_token_id, so it cannot decode blocks; use {hint}"
+        )
+    if policy.speculative and not config.shifted:
+        raise CloverError("self_spec needs a token-shifted model (config.shifted = true)")
+    if getattr(policy, "tree", 0) and any(c.recurrent for c in model.make_cache(1).layers):
+        raise CloverError(
+            "trees of drafts need a model without recurrent layers (their state follows one "
+            "sequence): drop the tree option"
+        )
+    if policy.speculative and Source.DRAFTER in policy.sources and not drafter:
+        raise CloverError(
+            f"draft {policy.draft!r} needs a drafter for this model: load one with --drafter "
+            "FILE (`clover train drafter` makes one)"
+        )
+    if len(prompt) >= model.context_length:
+        raise ContextTooLong(
+            f"prompt of {len(prompt)} tokens does not fit the model's context of "
+            f"{model.context_length} (prompt + generation)"
+        )
 
 
 def check_model_defaults(config: object) -> None:

@@ -234,37 +234,12 @@ class PrefixCache:
         pins now; returns the one it pins after (the deepest of its chain saved so far)."""
         with self._lock:
             kinds = [layer.recurrent for layer in cache.layers]
-            bs = self.block_tokens
             root = self.roots.get(partition)
             if root is None:
                 root = self.roots[partition] = Block(next(self._ids), None, (), None, 0)
                 self._partition_of[root.id] = partition
-            node, now = root, next(self._clock)
-            chain = [node]
-            full = len(tokens) // bs * bs
-            # K/V of blocks not cached yet, copied out COPY_BLOCKS at a time (fewer, larger
-            # copies; a bounded transient for a long prompt)
-            fresh, first, last = None, 0, 0  # fresh: K/V of positions [first, last)
-            for start in range(0, full, bs):
-                key = (node.id, tuple(tokens[start : start + bs]))
-                child = self.table.get(key)
-                if child is None:  # and none after it: a block's parent is always cached
-                    if start >= last:
-                        last = min(full, start + COPY_BLOCKS * bs)
-                        fresh, first = self._kv(cache, row, kinds, start, last), start
-                    kv = None  # [L_attn, 2, H, bs, D] in its own storage (evicted alone)
-                    if fresh is not None:
-                        kv = fresh[:, :, :, start - first : start - first + bs].clone()
-                    if not self._make_room(_nbytes([kv]), keep=chain):
-                        break
-                    child = Block(next(self._ids), node, key[1], kv, start + bs, _nbytes([kv]))
-                    self.table[key] = child
-                    node.children += 1
-                    self.bytes += child.nbytes
-                    self.stats.saved_blocks += 1
-                child.used = now
-                node = child
-                chain.append(node)
+            now = next(self._clock)
+            chain = self._save_blocks(cache, row, kinds, tokens, root, now)
             for pos, states in sorted(snapshots.items()):
                 if 0 < pos <= len(tokens):
                     self._snapshot(cache, row, kinds, tokens, pos, states, chain, now)
@@ -276,6 +251,39 @@ class PrefixCache:
                 if pin is not None:
                     pin.refs -= 1
             return deepest
+
+    def _save_blocks(self, cache: ModelCache, row: int, kinds: list[bool], tokens: list[int],
+                     root: Block, now: int) -> list[Block]:  # fmt: skip
+        """The full blocks of `tokens` into the chain from `root`, those not cached yet with
+        their K/V copied out of the row; -> the chain (root first) as far as it got (a block
+        that does not fit ends it)."""
+        bs = self.block_tokens
+        node, chain = root, [root]
+        full = len(tokens) // bs * bs
+        # K/V of blocks not cached yet, copied out COPY_BLOCKS at a time (fewer, larger
+        # copies; a bounded transient for a long prompt)
+        fresh, first, last = None, 0, 0  # fresh: K/V of positions [first, last)
+        for start in range(0, full, bs):
+            key = (node.id, tuple(tokens[start : start + bs]))
+            child = self.table.get(key)
+            if child is None:  # and none after it: a block's parent is always cached
+                if start >= last:
+                    last = min(full, start + COPY_BLOCKS * bs)
+                    fresh, first = self._kv(cache, row, kinds, start, last), start
+                kv = None  # [L_attn, 2, H, bs, D] in its own storage (evicted alone)
+                if fresh is not None:
+                    kv = fresh[:, :, :, start - first : start - first + bs].clone()
+                if not self._make_room(_nbytes([kv]), keep=chain):
+                    break
+                child = Block(next(self._ids), node, key[1], kv, start + bs, _nbytes([kv]))
+                self.table[key] = child
+                node.children += 1
+                self.bytes += child.nbytes
+                self.stats.saved_blocks += 1
+            child.used = now
+            node = child
+            chain.append(node)
+        return chain
 
     def release(self, pin: Block | None) -> None:
         """A row is done with its chain (finished, cancelled or failed)."""

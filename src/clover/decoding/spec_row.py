@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from clover.decoding.drafting import graft
 from clover.decoding.rows import Row, first_eos
 from clover.decoding.sampling import SamplingParams, draw_drafts, sample
 from clover.decoding.sources import DraftSources
 from clover.decoding.store import NgramIndex
+from clover.decoding.trees import graft
 from clover.decoding.verify import depth, exact, sampled
 from clover.decoding.verify import tree as verify_tree
 

@@ -1,6 +1,6 @@
 """Drafts from earlier text: a store of token n-grams and the tokens that followed them.
 
-A row's own context (prompt + answer, `rows.NgramIndex`) drafts only what it already
+A row's own context (prompt + answer, `NgramIndex`) drafts only what it already
 contains. Much of what a model writes it has written before in other answers: the opening of
 a code block, "Here is a", a signature's tail, a docstring's shape. `NgramStore` keeps, for
 every 2-, 3- and 4-token n-gram of the text it was given, how often each next token followed
@@ -9,7 +9,7 @@ it most often, while that token followed it in at least half of the cases, one t
 time. Verification keeps only what the target itself writes, so whatever the store holds the
 answers stay lossless; what it holds decides only how many drafts survive.
 
-The decode loop keeps one store per loaded model (`model_store`), fed with every finished
+A model's runtime keeps one store (`Runtime.ngram_store`), fed with every finished
 row's prompt and answer, so a server's later answers draft from its earlier ones; it can be
 seeded with a `clover data distill` set of the same model or with text files
 (`seed_store`). A server can keep what its answers taught across restarts: `save_learned`
@@ -22,14 +22,12 @@ an in-memory n-gram table.
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
 from clover.errors import CloverError
 from clover.files import atomic_write
+from clover.tokenizer import Tokenizer
 
 
 class NgramIndex:
@@ -188,22 +186,6 @@ class NgramStore:
         return len(self.after)
 
 
-_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def model_store(model: torch.nn.Module) -> NgramStore:
-    """The store of `model` in this process (made on first use)."""
-    store = _STORES.get(model)
-    if store is None:
-        store = _STORES[model] = NgramStore()
-    return store
-
-
-def existing_store(model: torch.nn.Module) -> NgramStore | None:
-    """`model`'s store if a row has used one (then finished rows feed it), else None."""
-    return _STORES.get(model)
-
-
 def _distilled_sequences(directory: Path, model_name: str) -> Iterable[list[int]]:
     meta_path = directory / "meta.json"
     try:
@@ -289,12 +271,12 @@ def read_saved(path: str | Path, model_name: str) -> list[list[int]]:
 
 
 def seed_store(
-    model: torch.nn.Module, paths: Iterable[str | Path], model_name: str, tokenizer: object
+    store: NgramStore, paths: Iterable[str | Path], model_name: str, tokenizer: Tokenizer
 ) -> NgramStore:
-    """Add to `model`'s store: `clover data distill` directories of this model (prompt +
-    answer ids as written), stores a server saved (`save_learned`, of this model), and text
-    files (encoded with `tokenizer`, no special tokens). Reads every path before adding any,
-    so bad input adds nothing."""
+    """Add to `store` (of the model `model_name`): `clover data distill` directories of this
+    model (prompt + answer ids as written), stores a server saved (`save_learned`, of this
+    model), and text files (encoded with `tokenizer`, no special tokens). Reads every path
+    before adding any, so bad input adds nothing."""
     sources: list[tuple[str, Path]] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -317,7 +299,6 @@ def seed_store(
             except (OSError, UnicodeDecodeError) as e:
                 raise CloverError(f"store seed {p}: cannot read it as UTF-8 text ({e})") from None
             seqs.append(list(tokenizer.encode(text, split_special_tokens=False)))
-    store = model_store(model)
     for s in seqs:
         store.add(s)
     return store

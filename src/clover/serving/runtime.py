@@ -29,12 +29,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from clover.decoding.costs import model_costs
 from clover.decoding.loop import generate
 from clover.decoding.policies import make_policy
-from clover.decoding.store import model_store, read_saved, save_learned
+from clover.decoding.store import read_saved, save_learned
 from clover.engine import LLM, GenerationSettings
-from clover.errors import CloverError
+from clover.errors import CloverError, ContextTooLong
 from clover.serving.connections import ConnectionLimits
 from clover.serving.constraints import Vocab
 from clover.serving.errors import APIError, bad_request, unavailable
@@ -107,9 +106,9 @@ class Runtime:
             if (o.defaults.decoder or llm.model.config.default_decoder) == "self_spec":
                 # the pass costs adaptive drafts follow (timed once per machine, seconds):
                 # before /health says ready, not inside the first request
-                model_costs(llm.model)
-                if getattr(llm.model, "drafter", None) is not None:
-                    model_costs(llm.model, drafter=True)
+                llm.runtime.pass_costs()
+                if llm.runtime.drafter is not None:
+                    llm.runtime.pass_costs(drafter=True)
             llm.set_prefix_cache(o.prefix_cache_mb)  # after the warm-up: it keeps nothing
             if o.store_save is not None:  # after the warm-up: the store learns only answers
                 keeper = StoreKeeper(llm, o.store_save, o.store_save_every)
@@ -193,18 +192,19 @@ class Runtime:
         return text
 
 
-def engine_error(message: str) -> APIError:
-    """A scheduler error event as the client should see it: a refused request (the scheduler
-    checks a request's settings when it admits it), the drain, or a failed step (500, with
-    the details kept in the server's log)."""
-    if "shutting down" in message:
+def engine_error(error: Exception) -> APIError:
+    """A scheduler error event as the client should see it: the drain (503), a refused
+    request (400: the decoder checks a request when it admits it; a prompt over the context
+    is `context_length_exceeded`), or a failed step (500, with the details kept in the
+    server's log)."""
+    if isinstance(error, ShuttingDown):
         return unavailable("the server is shutting down", "shutting_down")
-    if message.startswith("decoding failed"):
-        log.error("%s", message)
-        return APIError(500, "generation failed", kind="server_error", code="engine_error")
-    if "context" in message:  # the decoder's own length check (clover.decoding.loop._check)
-        return bad_request(message, "messages", "context_length_exceeded")
-    return bad_request(message, code="invalid_request")
+    if isinstance(error, ContextTooLong):
+        return bad_request(str(error), "messages", "context_length_exceeded")
+    if isinstance(error, CloverError):
+        return bad_request(str(error), code="invalid_request")
+    log.error("decoding failed: %s: %s", type(error).__name__, error)
+    return APIError(500, "generation failed", kind="server_error", code="engine_error")
 
 
 class ClientGone(Exception):
@@ -240,7 +240,7 @@ async def ticket_events(
                     continue
                 got = True
                 if event["type"] == "error":
-                    raise engine_error(event["message"])
+                    raise engine_error(event["error"])
                 if event["type"] == "done":
                     pending -= 1
                     left[id(ticket)] -= 1
@@ -277,7 +277,7 @@ class StoreKeeper:
 
     def __init__(self, llm: LLM, path: str, every: float) -> None:
         self.path, self.name, self.every = path, llm.name, every
-        self.store = model_store(llm.model)  # made now: finished rows feed it from here on
+        self.store = llm.runtime.ngram_store()  # made now: finished rows feed it from here on
         self.saved = 0  # learned sequences in the file
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -8,7 +8,8 @@ Each request gets a thread-safe queue of events:
   {"type": "delta", "choice": i, "text": str, "tokens": [...], "commits": [(index, token,
    step)], ...}   text that just became final (never changes later), with the commits behind it
   {"type": "done", "choice": i, "completion": Completion}
-  {"type": "error", "message": str}
+  {"type": "error", "error": Exception}   `ShuttingDown`, a `CloverError` the request caused,
+   or what failed a step (`runtime.engine_error` says which answer each gets)
 
 A cancelled request (client gone) leaves the batch before the next step. Shutdown stops
 admitting, lets running rows finish (or cancels them after a grace period, telling their
@@ -35,8 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from clover.decoding.loop import BatchDecoder
-from clover.decoding.sampling import SamplingParams
-from clover.engine import LLM, Completion, GenerationSettings, TextStream
+from clover.engine import LLM, GenerationSettings, Request
 from clover.errors import CloverError
 
 
@@ -52,7 +52,7 @@ class ShuttingDown(CloverError):
 class Ticket:
     id: int
     prompt: list[int]
-    settings: GenerationSettings
+    request: Request
     n: int
     marks: tuple[int, ...] = ()  # prefix-cache snapshot positions (`LLM.chat_marks`)
     partition: object = None  # the prefix-cache partition (tenant, cache salt)
@@ -88,7 +88,7 @@ class Scheduler:
         self.llm = llm
         self.max_running, self.max_queue = max_running, max_queue
         self.deterministic = deterministic
-        self.batch = BatchDecoder(llm.model, llm.prefix_cache)
+        self.batch = BatchDecoder(llm.runtime)
         self.waiting: deque[Ticket] = deque()
         self.running: dict[int, Ticket] = {}  # row index -> ticket
         self.stats = Stats()
@@ -111,9 +111,7 @@ class Scheduler:
         marks: tuple = (),
         partition: object = None,
     ) -> Ticket:
-        s = self.llm.default_settings(settings)
-        s.policy()  # validate now
-        SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+        request = Request.of(self.llm, settings)  # checked now, not when it is admitted
         with self._lock:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
@@ -123,7 +121,7 @@ class Scheduler:
                 raise Overloaded(
                     f"server busy: {self.running_rows} running, {len(self.waiting)} queued"
                 )
-            ticket = Ticket(next(self._ids), prompt, s, n, tuple(marks), partition)
+            ticket = Ticket(next(self._ids), prompt, request, n, tuple(marks), partition)
             self.waiting.append(ticket)
             self.stats.requests += 1
             self._lock.notify()
@@ -142,7 +140,7 @@ class Scheduler:
         with self._lock:
             self._stopping = True
             for t in self.waiting:
-                t.events.put({"type": "error", "message": "the server is shutting down"})
+                t.events.put({"type": "error", "error": ShuttingDown()})
             self.waiting.clear()
             self._lock.notify()
         deadline = time.monotonic() + grace
@@ -151,7 +149,7 @@ class Scheduler:
         with self._lock:
             for t in set(self.running.values()):
                 t.cancel()  # the loop drops their rows before its next step
-                t.events.put({"type": "error", "message": "the server is shutting down"})
+                t.events.put({"type": "error", "error": ShuttingDown()})
             self._lock.notify()
         self._thread.join(timeout=5)
 
@@ -195,22 +193,20 @@ class Scheduler:
     def _start(self, t: Ticket, rows: int) -> bool:
         """Add `rows` more of the ticket's choices to the batch; False if it failed (the
         ticket then got an error event and holds no rows)."""
-        s = t.settings
-        policy = s.policy()
-        sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+        request = t.request
         try:
             for choice in range(t.started_choices, t.started_choices + rows):
-                text = TextStream(self.llm.tokenizer, s.stop)
+                text = request.text()
                 row = self.batch.add(
                     t.prompt,
-                    policy,
-                    max_new_tokens=s.max_tokens,
-                    sampling=sampling,
-                    eos_token_ids=self.llm.eos_token_ids,
+                    request.policy,
+                    max_new_tokens=request.settings.max_tokens,
+                    sampling=request.sampling,
+                    eos_token_ids=request.eos_token_ids,
                     stop=lambda _i, final, text=text: text.on_final(final),
                     index=next(self._rows),
                     seed_index=choice,
-                    constraint=s.constraint() if s.constraint is not None else None,
+                    constraint=request.constraint(),
                     marks=t.marks,
                     partition=t.partition,
                 )
@@ -233,8 +229,7 @@ class Scheduler:
             self.batch.cancel(index)
             self.running.pop(index, None)
         t.cancelled = True
-        failed = f"decoding failed: {type(e).__name__}"
-        t.events.put({"type": "error", "message": str(e) if isinstance(e, CloverError) else failed})
+        t.events.put({"type": "error", "error": e})
 
     def _run(self) -> None:
         while True:
@@ -252,7 +247,7 @@ class Scheduler:
             try:
                 event = self.batch.step()
             except Exception as e:  # noqa: BLE001 (a failed step must not kill the server)
-                self._fail_all(f"decoding failed: {type(e).__name__}")
+                self._fail_all(e)
                 continue
             self.stats.steps += 1
             self.stats.forward_passes += 1 if event.forward_rows else 0
@@ -283,27 +278,16 @@ class Scheduler:
                 )
             if index in event.finished:
                 r = row.result
-                completion = Completion(
-                    text=text.text,
-                    token_ids=r.tokens,
-                    prompt_tokens=len(t.prompt),
-                    finish_reason="stop" if text.stopped else r.finish_reason,
-                    nfe=r.nfe,
-                    seconds=time.monotonic() - row.t_start,
-                    steps=r.steps,
-                    drafts=r.drafts,  # self_spec: /metrics counts them
-                    accepted=r.accepted,
-                    cached_tokens=r.cached_tokens,
-                    prefill_seconds=r.prefill_seconds,
-                )
+                seconds = time.monotonic() - row.t_start
+                completion = t.request.completion(r, text, len(t.prompt), seconds)
                 self.stats.output_tokens += len(r.tokens)
                 self.stats.finished += 1
                 self.running.pop(index, None)
                 t.events.put({"type": "done", "choice": choice, "completion": completion})
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, e: Exception) -> None:
         with self._lock:
             for index, t in list(self.running.items()):
                 self.batch.cancel(index)
-                t.events.put({"type": "error", "message": message})
+                t.events.put({"type": "error", "error": e})
             self.running.clear()
