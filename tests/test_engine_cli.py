@@ -172,7 +172,7 @@ def test_compile_and_device_flags_reach_the_model(monkeypatch, capsys):
             seen.update(kw)
             raise CloverError("not loading in this test")
 
-    monkeypatch.setattr("clover.engine.LLM", Refuse)
+    monkeypatch.setattr("clover.cli.LLM", Refuse)
     assert main(["generate", "--prompt", "hi", "--compile"]) == 1
     assert seen["compile"] is True
     assert "not loading" in capsys.readouterr().err

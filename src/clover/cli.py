@@ -15,11 +15,24 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from clover import __version__
+from clover import __version__, kernels
+from clover.bench.cli import add_bench_parser
+from clover.checkpoints import PRESETS, cache, model_config, pull, resolve
+from clover.checkpoints.hf_dir import check_dir
 from clover.checkpoints.registry import DEFAULT_MODEL
+from clover.data.distill import distill
 from clover.decoding.settings import kind, specs
-from clover.engine import Completion, GenerationSettings
+from clover.engine import LLM, Completion, GenerationSettings
 from clover.errors import CloverError
+from clover.files import read_header
+from clover.hf.export import export
+from clover.models import make_config
+from clover.models.base import ConfigMixin
+from clover.models.clover import preset_config
+from clover.models.drafter import export_speculators, read_drafter_config
+from clover.plan import deployment_plan, format_plan, model_bytes
+from clover.train.adapt import TrainConfig, train
+from clover.train.drafter import DrafterTrainConfig, train_drafter
 
 
 def peak_rss_mb() -> float:
@@ -100,7 +113,6 @@ def _settings(a: argparse.Namespace, where: str = "cli") -> GenerationSettings:
 
 
 def _load(a: argparse.Namespace, quiet: bool = False) -> object:
-    from clover.engine import LLM
 
     llm = LLM(
         a.model,
@@ -119,7 +131,7 @@ def _load(a: argparse.Namespace, quiet: bool = False) -> object:
 
 
 def _run_stream(
-    llm: object,
+    llm: LLM,
     prompt: list[int],
     settings: GenerationSettings,
     echo: bool,
@@ -142,7 +154,7 @@ def _run_stream(
     return (out[0] if out else None), interrupted
 
 
-def _stats(c: Completion, llm: object) -> dict:
+def _stats(c: Completion, llm: LLM) -> dict:
     return {
         "text": c.text,
         "output_tokens": c.output_tokens,
@@ -168,15 +180,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if not a.prompt.strip():
         raise CloverError("empty prompt: pass --prompt TEXT (or '-' to read stdin)")
     llm = _load(a, quiet=a.json)
-    settings = llm.default_settings(_settings(a))
     if a.no_chat:
         prompt = llm.encode(a.prompt)
     else:
         messages = [{"role": "system", "content": a.system}] if a.system else []
         prompt = llm.chat_prompt(messages + [{"role": "user", "content": a.prompt}])
-    c, _ = _run_stream(llm, prompt, settings, echo=not a.json)
+    c, _ = _run_stream(llm, prompt, _settings(a), echo=not a.json)
     if c is None:
         return 130
+    settings = c.settings  # the model's defaults applied
     stats = _stats(c, llm)
     if a.json:
         stats.update(decoder=settings.decoder, block_size=settings.block_size)
@@ -205,7 +217,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def chat_turn(
-    llm: object, settings: GenerationSettings, messages: list[dict], echo: bool = True
+    llm: LLM, settings: GenerationSettings, messages: list[dict], echo: bool = True
 ) -> tuple[Completion | None, bool]:
     """One `clover chat` answer to the conversation so far (the prefix cache keeps the
     earlier turns, so only what is new is prefilled). -> (Completion, interrupted)."""
@@ -257,10 +269,6 @@ def cmd_chat(a: argparse.Namespace, read: Callable[[str], str] = input) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from clover.checkpoints import PRESETS, model_config, resolve
-    from clover.checkpoints.hf_dir import check_dir
-    from clover.models import make_config
-    from clover.plan import model_bytes
 
     if a.model.endswith(".safetensors"):  # a drafter's or an adapter's file: its header
         info = _file_info(Path(a.model))
@@ -270,8 +278,6 @@ def cmd_info(a: argparse.Namespace) -> int:
             _print_fields(info)
         return 0
     if a.model in PRESETS:
-        from clover.models.clover import preset_config
-
         config, name, path, license_ = preset_config(a.model), a.model, None, None
         license_ = "Apache-2.0 (shape preset, random weights)"
     else:
@@ -312,23 +318,18 @@ def cmd_info(a: argparse.Namespace) -> int:
         "kernels": _kernels_line(),
     }
     if a.plan:
-        from clover.plan import deployment_plan
-
         info["plan"] = deployment_plan(config)
     if a.json:
         print(json.dumps(info))
         return 0
     _print_fields({k: v for k, v in info.items() if k != "plan"})
     if a.plan:
-        from clover.plan import format_plan
-
         print(format_plan(info["plan"]))
     return 0
 
 
 def _kernels_line() -> str:
     """One line: whether Clover's CPU kernels run here, else why not and what it costs."""
-    from clover import kernels
 
     s = kernels.status()
     if s["on"]:
@@ -350,7 +351,6 @@ def _print_fields(info: dict) -> None:
 def _file_info(path: Path) -> dict:
     """What a drafter or adapter file is (read from its header, no weights loaded): its
     config, parameter count and how it was trained."""
-    from clover.files import read_header
 
     try:
         header = read_header(path)
@@ -370,7 +370,7 @@ def _file_info(path: Path) -> dict:
     return info
 
 
-def _layer_summary(config: object) -> str:
+def _layer_summary(config: ConfigMixin) -> str:
     types = getattr(config, "layer_types", None)
     if not types:
         return f"{config.num_hidden_layers} x attention"
@@ -378,14 +378,12 @@ def _layer_summary(config: object) -> str:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from clover.checkpoints import pull
 
     print(pull(a.name, progress=True))
     return 0
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
-    from clover.checkpoints import cache
 
     if a.action == "prune":
         print(cache.removed_summary(cache.prune()))
@@ -406,7 +404,6 @@ def cmd_cache(a: argparse.Namespace) -> int:
 
 
 def cmd_kernels(a: argparse.Namespace) -> int:
-    from clover import kernels
 
     if a.rebuild:
         os.environ["CLOVER_KERNELS"] = "1"
@@ -419,9 +416,6 @@ def cmd_kernels(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from clover.models.drafter import export_speculators, read_drafter_config
 
     if a.model.endswith(".safetensors") and Path(a.model).is_file():
         config = read_drafter_config(Path(a.model))  # a drafter: the speculators format
@@ -429,15 +423,12 @@ def cmd_export(a: argparse.Namespace) -> int:
         print(export_speculators(Path(a.model), Path(a.out_dir), arch, force=a.force))
         print(f"(drafter for {config.target}; verifier architectures {arch})", file=sys.stderr)
         return 0
-    from clover.hf.export import export
 
     print(export(a.model, a.out_dir, dtype=a.dtype, force=a.force))
     return 0
 
 
 def cmd_data_distill(a: argparse.Namespace) -> int:
-    from clover.data.distill import distill
-
     stats = distill(
         a.model, a.out, a.prompts, max_tokens=a.max_tokens, batch_size=a.batch_size,
         top_k=a.top_k, seed=a.seed, dtype=a.dtype, device=a.device, max_minutes=a.max_minutes,
@@ -448,10 +439,6 @@ def cmd_data_distill(a: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from clover.train.drafter import DrafterTrainConfig, train_drafter
-
     cfg = DrafterTrainConfig.from_yaml(Path(a.config), out=a.out, steps=a.steps,
                                        max_minutes=a.max_minutes)  # fmt: skip
     print(json.dumps(train_drafter(cfg, progress=not a.quiet, until=a.until)))
@@ -459,8 +446,6 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
 
 
 def cmd_train_adapt(a: argparse.Namespace) -> int:
-    from clover.train.adapt import TrainConfig, train
-
     overrides = {"steps": a.steps, "out": a.out, "data": a.data, "device": a.device,
                  "max_minutes": a.max_minutes}  # fmt: skip
     cfg = TrainConfig.from_yaml(a.config, **overrides)
@@ -469,9 +454,8 @@ def cmd_train_adapt(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import os
 
-    from clover.serving.server import ServeOptions, serve
+    from clover.serving.server import ServeOptions, serve  # fastapi, uvicorn: only for serve
 
     options = ServeOptions(
         model=a.model,
@@ -719,7 +703,6 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(s)
     _prefix_cache_arg(s)
     s.set_defaults(func=cmd_serve)
-    from clover.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     return parser

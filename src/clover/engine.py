@@ -52,6 +52,7 @@ class Completion:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prefill_seconds: float = 0.0  # to the pass that gave the first logits (`RowResult`)
     ttft: float = 0.0  # seconds from the call to this answer's first text (0: none came)
+    settings: GenerationSettings | None = None  # what it was decoded with, defaults applied
 
     @property
     def output_tokens(self) -> int:
@@ -116,6 +117,7 @@ class Request:
             cached_tokens=r.cached_tokens,
             prefill_seconds=r.prefill_seconds,
             ttft=ttft,
+            settings=self.settings,
         )
 
 

@@ -13,18 +13,19 @@ from __future__ import annotations
 from torch import nn
 
 from clover.models import build_model
+from clover.models.base import ConfigMixin
 from clover.quant import GROUP
 
 GPUS = (1, 2, 4, 8)
 
 
-def _expert_params(config: object) -> int:
+def _expert_params(config: ConfigMixin) -> int:
     experts = getattr(config, "num_experts", 0)
     width = getattr(config, "moe_intermediate_size", 0)
     return config.num_hidden_layers * experts * 3 * config.hidden_size * width
 
 
-def cache_bytes(config: object, tokens: int | None = None) -> int:
+def cache_bytes(config: ConfigMixin, tokens: int | None = None) -> int:
     """K/V (bf16) of attention layers + GDN state (fp32) for one sequence of `tokens`."""
     tokens = tokens or config.max_position_embeddings
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
@@ -39,7 +40,7 @@ def cache_bytes(config: object, tokens: int | None = None) -> int:
     return kv + n_gdn * (hv * dk * dv * 4 + channels * (kern - 1) * 4)
 
 
-def deployment_plan(config: object) -> list[dict]:
+def deployment_plan(config: ConfigMixin) -> list[dict]:
     rows = []
     cache = cache_bytes(config)
     for dtype, per_weight in (("bfloat16", 2.0), ("int8", None)):
@@ -73,7 +74,7 @@ def format_plan(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def model_bytes(config: object, dtype: str) -> int:
+def model_bytes(config: ConfigMixin, dtype: str) -> int:
     """Bytes of the weights at a precision, from shapes alone (the model is built on meta)."""
     model = build_model(config, meta=True)
     per = {"float32": 4, "bfloat16": 2}

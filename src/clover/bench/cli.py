@@ -8,8 +8,11 @@ record, writes `benchmarks/results/bench-<kind>-<model>[-quick].json` and draws 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+import torch
 
 from clover.bench.common import (
     DecoderConfig,
@@ -20,7 +23,28 @@ from clover.bench.common import (
     parse_configs,
     write_results,
 )
+from clover.bench.gpu import format_gpu, time_passes
+from clover.bench.load import format_load, run_load
+from clover.bench.passes import format_passes, run_passes
+from clover.bench.quality import run_quality
+from clover.bench.speed import (
+    DEFAULT_CONFIGS,
+    LLAMACPP_MISSING,
+    CloverEngine,
+    LlamaCppEngine,
+    TransformersEngine,
+    add_ratios,
+    gguf_precision,
+    llamacpp_available,
+    llamacpp_check,
+    probe_rss,
+    run_speed,
+)
+from clover.checkpoints import BASE_MODEL, DEFAULT_MODEL
+from clover.data.bench_prompts import SPEED_PROMPTS
+from clover.data.suite import load_suite
 from clover.decoding.policies import Source, draft_sources
+from clover.engine import LLM
 from clover.errors import CloverError
 
 RESULTS = Path("benchmarks") / "results"
@@ -64,29 +88,12 @@ def _our_rss_key(dtype: str, compiled: bool) -> str:
     return f"clover {dtype}{' compiled' if compiled else ''}"
 
 
-def _store_record(llm: object) -> dict | None:
+def _store_record(llm: LLM) -> dict | None:
     store = llm.runtime.store
     return None if store is None else store.describe()
 
 
 def cmd_speed(a: argparse.Namespace) -> int:
-    import torch
-
-    from clover.bench.speed import (
-        DEFAULT_CONFIGS,
-        LLAMACPP_MISSING,
-        CloverEngine,
-        LlamaCppEngine,
-        TransformersEngine,
-        add_ratios,
-        gguf_precision,
-        llamacpp_available,
-        llamacpp_check,
-        probe_rss,
-        run_speed,
-    )
-    from clover.data.bench_prompts import SPEED_PROMPTS
-    from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
@@ -243,9 +250,6 @@ def format_speed(report: dict) -> str:
 
 
 def cmd_quality(a: argparse.Namespace) -> int:
-    from clover.bench.quality import run_quality
-    from clover.data.suite import load_suite
-    from clover.engine import LLM
 
     machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
@@ -317,7 +321,6 @@ def format_quality(report: dict) -> str:
 
 
 def cmd_plot(a: argparse.Namespace) -> int:
-    import json
 
     written: list[str] = []
     for path in a.results:
@@ -335,7 +338,6 @@ def cmd_plot(a: argparse.Namespace) -> int:
 
 
 def cmd_load(a: argparse.Namespace) -> int:
-    from clover.bench.load import format_load, run_load
 
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     record = machine()
@@ -350,10 +352,6 @@ def cmd_load(a: argparse.Namespace) -> int:
 
 
 def cmd_passes(a: argparse.Namespace) -> int:
-    import torch
-
-    from clover.bench.passes import format_passes, run_passes
-    from clover.engine import LLM
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -373,7 +371,6 @@ def cmd_passes(a: argparse.Namespace) -> int:
 
 
 def cmd_gpu(a: argparse.Namespace) -> int:
-    from clover.bench.gpu import format_gpu, time_passes
 
     report = time_passes(
         preset=a.preset,
@@ -398,7 +395,6 @@ def cmd_gpu(a: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from clover.checkpoints import BASE_MODEL, DEFAULT_MODEL
 
     bench = sub.add_parser("bench", help="speed and quality benchmarks (results + plots)")
     kinds = bench.add_subparsers(dest="bench", required=True)

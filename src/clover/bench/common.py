@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import statistics
@@ -26,10 +27,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
+
 from clover.decoding.policies import DRAFTS, Policy
 from clover.decoding.settings import GenerationSettings
 from clover.errors import CloverError
 from clover.files import atomic_write_text
+from clover.models.base import ConfigMixin
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class DecoderConfig:
         return f"low_confidence:{self.block_size}:{self.threshold:g}{tail}"
 
     @classmethod
-    def model_default(cls, config: object) -> DecoderConfig:
+    def model_default(cls, config: ConfigMixin) -> DecoderConfig:
         """The decoding a model runs when a request names none (`LLM.default_settings`)."""
         decoder = getattr(config, "default_decoder", "ar")
         if decoder == "ar":
@@ -141,7 +145,6 @@ def verify_passes(accepted: list[int]) -> dict | None:
 
 
 def machine() -> dict:
-    import torch
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -211,7 +214,6 @@ def command_line() -> str:
 
 def model_label(model: str) -> str:
     """A file-name-safe label for a model name or path."""
-    import re
 
     stem = Path(model).name if ("/" in model or model.endswith(".gguf")) else model
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem.removesuffix(".gguf"))

@@ -29,7 +29,11 @@ from collections.abc import Callable
 
 import torch
 
+from clover.bench.common import spread
+from clover.checkpoints import resolve_device
 from clover.errors import CloverError
+from clover.models.cache import KVCache
+from clover.models.clover import CloverModel, preset_config
 
 LENGTHS = {"clover-35b-a3b": [1024, 8192, 32768], "clover-tiny": [64, 256]}
 
@@ -37,7 +41,6 @@ LENGTHS = {"clover-35b-a3b": [1024, 8192, 32768], "clover-tiny": [64, 256]}
 def build_random(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The preset's model with random weights (std 0.02; GDN decay parameters in their usual
     range), materialized directly on `device` in `dtype`."""
-    from clover.models.clover import CloverModel, preset_config
 
     config = preset_config(preset)
     with torch.device("meta"):
@@ -64,7 +67,6 @@ def build_random(preset: str, device: torch.device, dtype: torch.dtype) -> torch
 def fill_cache(model: torch.nn.Module, batch: int, length: int, extra: int) -> object:
     """A cache whose rows hold `length` committed tokens of random content, with room for
     `extra` more positions."""
-    from clover.models.cache import KVCache
 
     cache = model.make_cache(batch)
     for layer in cache.layers:
@@ -135,8 +137,6 @@ def time_passes(
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """-> {"results": [{length, batch, block_pass_ms, commit_pass_ms, ar_step_ms, ...}], ...}"""
-    from clover.bench.common import spread
-    from clover.checkpoints import resolve_device
 
     dev = resolve_device(device)
     if preset == "clover-35b-a3b" and dev.type == "cpu":

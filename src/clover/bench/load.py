@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from clover.checkpoints import resolve
 from clover.data.bench_prompts import LOAD_PROMPT
 from clover.errors import CloverError
 from clover.files import cache_dir
@@ -161,7 +162,6 @@ def llamacpp_rows(gguf: Path, tokens: int, reps: int, threads: int, log: object 
 
 def run_load(models: list[str], tokens: int = 256, reps: int = 3, threads: int = 2,
              log: object = print) -> dict:  # fmt: skip
-    from clover.checkpoints import resolve
 
     rows = {}
     for model in models:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import torch
 
 from clover.decoding.costs import pass_costs
+from clover.kernels.qgemm import QWeight
+from clover.quant import Int4Linear, Int8Linear
 
 WEIGHT_STAGES = ("qkv", "o", "gate_up", "down")
 ELEMENTWISE_STAGES = ("norms", "rope+cache", "silu*up", "residual")
@@ -71,8 +73,6 @@ def head_ms(model: torch.nn.Module, rows: int, reps: int) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int, int, int]:
     """(bytes, count) of the decoder's matmul weights and of the LM head, as stored."""
-    from clover.kernels.qgemm import QWeight
-    from clover.quant import Int4Linear, Int8Linear
 
     head = getattr(model, "quantized_head", None)
     body_b = body_n = 0

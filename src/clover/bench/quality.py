@@ -30,6 +30,7 @@ from clover.bench.common import DecoderConfig, verify_passes
 from clover.bench.sandbox import extract_code, run_python_checks
 from clover.data.suite import KINDS
 from clover.decoding.policies import Source, draft_sources
+from clover.engine import LLM
 from clover.errors import CloverError
 
 CHECKED = ("code", "math", "fact")
@@ -93,7 +94,7 @@ def score_answer(
     return None, ""
 
 
-def answer_nll(reference: object, prompt: str, answer: str) -> float | None:
+def answer_nll(reference: LLM | None, prompt: str, answer: str) -> float | None:
     """Mean per-token NLL (nats) of `answer` after the chat prompt, under `reference` (an LLM
     decoding causally, teacher-forced). The answer is re-encoded with the reference's own
     tokenizer, so any model can score any other's text. None for an empty answer."""
@@ -117,7 +118,7 @@ def answer_nll(reference: object, prompt: str, answer: str) -> float | None:
 
 
 def run_quality(
-    llm: object,
+    llm: LLM,
     configs: list[DecoderConfig],
     items: list[dict],
     *,

@@ -25,16 +25,20 @@ Method (so the numbers reproduce and compare):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from clover.bench.common import DecoderConfig, spread, verify_passes
+from clover.bench.common import DecoderConfig, peak_rss_mb, spread, verify_passes
+from clover.decoding.loop import generate
+from clover.engine import LLM
 from clover.errors import CloverError
 
 DEFAULT_CONFIGS = (
@@ -74,14 +78,13 @@ class RunStats:
 class CloverEngine:
     engine = "clover"
 
-    def __init__(self, llm: object, config: DecoderConfig) -> None:
+    def __init__(self, llm: LLM, config: DecoderConfig) -> None:
         self.llm, self.config = llm, config
         self.precision = llm.dtype
         self.compiled = getattr(llm, "compiled", False)
         self.name = f"clover {config.name} {llm.dtype}{' compiled' if self.compiled else ''}"
 
     def run(self, prompts: list[list[int]], n: int) -> RunStats:
-        from clover.decoding.loop import generate
 
         results: list = []
         first: dict[int, float] = {}
@@ -112,6 +115,7 @@ class TransformersEngine:
 
     def __init__(self, gguf: object, pad_id: int) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # transformers' model classes: only for its row
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -122,7 +126,7 @@ class TransformersEngine:
         self.name = "transformers generate float32"
 
     def run(self, prompts: list[list[int]], n: int) -> RunStats:
-        from transformers import LogitsProcessor, LogitsProcessorList
+        from transformers import LogitsProcessor, LogitsProcessorList  # only for transformers' row
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -161,7 +165,7 @@ class LlamaCppEngine:
     engine = "llama.cpp"
 
     def __init__(self, gguf: object, precision: str, threads: int, n_ctx: int = 2048) -> None:
-        import llama_cpp
+        import llama_cpp  # optional (`.[llamacpp]`): only for its row
 
         self.model = llama_cpp.Llama(
             model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False
@@ -190,7 +194,6 @@ class LlamaCppEngine:
 
 
 def llamacpp_available() -> bool:
-    import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
 
@@ -239,13 +242,13 @@ def llamacpp_check(
 
 def gguf_precision(path: object) -> str:
     """The GGUF's weight type as llama.cpp names it (Q4_1, F16, ...)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # gguf's reader: slow to import, only here
 
     reader = GGUFReader(str(path))
     field_ = reader.fields.get("general.file_type")
     if field_ is None:
         return "gguf"
-    from gguf import LlamaFileType
+    from gguf import LlamaFileType  # gguf's reader: slow to import, only here
 
     value = int(field_.parts[field_.data[0]][0])
     return LlamaFileType(value).name.removeprefix("MOSTLY_")
@@ -381,8 +384,6 @@ def probe_rss(spec: dict, timeout: float = 900) -> float | None:
 
 
 def _probe_main(spec: dict) -> None:
-    from clover.bench.common import peak_rss_mb
-    from clover.engine import LLM
 
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
     prompts, n, batch = spec["prompts"], spec["tokens"], spec["batch"]
@@ -396,8 +397,6 @@ def _probe_main(spec: dict) -> None:
         for name in spec["configs"]:
             CloverEngine(llm, DecoderConfig.parse(name)).run(group, n)
     elif spec["engine"] == "transformers":
-        from pathlib import Path
-
         TransformersEngine(Path(spec["gguf"]), spec["pad_id"]).run(group, n)
     elif spec["engine"] == "llama.cpp":
         e = LlamaCppEngine(spec["gguf"], spec["precision"], spec["threads"])

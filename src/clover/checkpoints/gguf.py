@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from clover.checkpoints import ggml
 from clover.errors import CloverError
@@ -272,8 +273,6 @@ def read_gguf(path: Path, progress: bool = False) -> tuple[dict, dict[str, torch
     arch = architecture(gf.architecture)
     names = list(gf.tensors)
     if progress:
-        from tqdm import tqdm
-
         names = tqdm(names, desc=f"dequantizing {gf.path.name}", unit="tensor")
     arrays: dict[str, np.ndarray] = {}
     for name in names:

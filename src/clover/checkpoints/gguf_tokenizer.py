@@ -30,7 +30,7 @@ _DROPPED_CONFIG_KEYS = ("is_local", "local_files_only", "name_or_path", "backend
 
 def _gguf_tokenizer_fields(gguf_path: Path) -> tuple[bool | None, str | None]:
     """`tokenizer.ggml.add_bos_token` and `tokenizer.ggml.pre`, which transformers does not keep."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # gguf's reader: in the converting child only
 
     fields = GGUFReader(str(gguf_path)).fields
     add_bos = fields.get("tokenizer.ggml.add_bos_token")
@@ -52,7 +52,7 @@ def _fix_pre_tokenizer(tokenizer_file: Path, pre: str | None) -> None:
     """
     if pre != "smollm":
         return
-    import tokenizers
+    import tokenizers  # in the converting child only
     from tokenizers import pre_tokenizers
 
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
@@ -68,7 +68,7 @@ def _fix_pre_tokenizer(tokenizer_file: Path, pre: str | None) -> None:
 def _write_tokenizer(gguf_path: Path, target: Path) -> None:
     # The file is local; keep the hub client from ever trying the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: in the converting child only
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(

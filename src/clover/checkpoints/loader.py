@@ -32,9 +32,11 @@ from clover.checkpoints.registry import BASE_MODEL, ResolvedModel, resolve
 from clover.errors import CloverError
 from clover.files import atomic_write_text
 from clover.models import make_config
-from clover.models.base import DiffusionLM
+from clover.models.adapter import keep_float32, load_adapter
+from clover.models.base import ConfigMixin, DiffusionLM
+from clover.models.clover import CloverModel, preset_config
 from clover.models.drafter import Drafter, load_drafter
-from clover.quant import release_freed_memory
+from clover.quant import quantize_linears, quantize_model, release_freed_memory, set_dots_x
 from clover.tokenizer import Tokenizer
 
 DTYPES = {
@@ -194,7 +196,7 @@ def auto_dtype(config: dict) -> str:
     return "bfloat16"
 
 
-def mask_from_tokenizer(config: object, tokenizer: Tokenizer) -> None:
+def mask_from_tokenizer(config: ConfigMixin, tokenizer: Tokenizer) -> None:
     """A family that names its [MASK] token only in the tokenizer (`config.mask_token`, e.g.
     SDAR's `<|MASK|>`, Fast-dLLM v2's `|<MASK>|`) gets its id from there; a model with no
     [MASK] at all decodes autoregressively by default (its block decoders need one)."""
@@ -211,7 +213,6 @@ def mask_from_tokenizer(config: object, tokenizer: Tokenizer) -> None:
 def _preset_model(name: str, progress: bool) -> tuple[DiffusionLM, Tokenizer]:
     """A Clover-architecture preset with random weights (seed 0) and the default model's
     tokenizer: it exercises the whole mechanism; its output is meaningless."""
-    from clover.models.clover import CloverModel, preset_config
 
     config = preset_config(name)
     if config.num_params > 2e9:
@@ -290,8 +291,6 @@ def load(
     if str(drafter) == "none":
         drafter = None
     if adapter is not None:
-        from clover.models.adapter import load_adapter
-
         if not Path(adapter).is_file():
             raise CloverError(f"adapter file {adapter} not found")
         load_adapter(net, Path(adapter))
@@ -299,12 +298,8 @@ def load(
             net.to(DTYPES[dtype])
         adapter = str(adapter)
     if dtype in ("int4", "int8") and not packed:
-        from clover.quant import quantize_model
-
         quantize_model(net, dtype)
     if adapter is not None:
-        from clover.models.adapter import keep_float32
-
         keep_float32(net)
     net.to(dev)
     if drafter is not None:  # self_spec draft="drafter" (models/drafter.py)
@@ -312,8 +307,6 @@ def load(
             raise CloverError(f"drafter file {drafter} not found")
         # its own module: the model's state, casts and quantization leave it alone
         if dtype == "int4":  # its linears in 4 bits too (from the file's weights as they are)
-            from clover.quant import quantize_linears, release_freed_memory
-
             d = quantize_linears(load_drafter(Path(drafter), net, linear_dtype=torch.bfloat16))
             for m in d.modules():  # shapes the kernel does not tile: float32, as the rest
                 if isinstance(m, torch.nn.Linear):
@@ -325,8 +318,6 @@ def load(
     else:
         d = None
     if resolved is not None and resolved.entry is not None and resolved.entry.dots_x != 15:
-        from clover.quant import set_dots_x
-
         set_dots_x(net, resolved.entry.dots_x, d)
     return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter, d)
 

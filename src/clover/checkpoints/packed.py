@@ -37,6 +37,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from clover.checkpoints import ggml
 from clover.checkpoints.gguf import GGUFFile, tensor_bytes
@@ -384,8 +385,6 @@ def pack_gguf(gf: GGUFFile, target: Path, wide: str = "int8", progress: bool = T
                for names in getattr(module, "packed_projections", ())]  # fmt: skip
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(linears) + 1, desc=f"packing {gf.path.name} (once)",
                    unit="matrix", file=sys.stderr)  # fmt: skip
 

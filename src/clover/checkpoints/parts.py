@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from clover.errors import CloverError
 from clover.files import atomic_write
 
@@ -109,8 +111,6 @@ def assemble(
         files.append(f)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {target.name}")
 
     def write(tmp: Path) -> None:
@@ -156,7 +156,7 @@ def assemble(
 
 def check_gguf_header(path: Path, expect: dict[str, object]) -> None:
     """The GGUF's metadata holds `expect` (key -> value), e.g. its architecture and sizes."""
-    import gguf
+    import gguf  # gguf's reader: slow to import, only here
 
     try:
         reader = gguf.GGUFReader(str(path))

@@ -25,6 +25,7 @@ from clover.checkpoints import parts as split
 from clover.checkpoints.parts import Part
 from clover.errors import CloverError
 from clover.files import cache_dir
+from clover.models.base import ConfigMixin
 
 __all__ = [
     "BASE_MODEL",
@@ -86,7 +87,7 @@ class ModelEntry:
             return None
         return Path(__file__).parents[1] / "drafters" / self.drafter  # clover/drafters/
 
-    def apply_decoding(self, config: object, drafter: object = None) -> None:
+    def apply_decoding(self, config: ConfigMixin, drafter: str | Path | None = None) -> None:
         """Give `config` this entry's decoding defaults; with `drafter="none"` (the shipped
         drafter left out) a default that drafts from it drafts from its other sources
         (drafter+lookup -> lookup)."""

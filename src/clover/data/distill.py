@@ -26,10 +26,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from clover.checkpoints import resolve_device
 from clover.data.prompts import PROMPT_SET_VERSION, prompt_set
 from clover.data.self_prompts import VERSION as SELF_VERSION
 from clover.data.self_prompts import self_prompt_set
+from clover.decoding.loop import BatchDecoder
+from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.files import truncate_torn_tail
 
@@ -49,7 +53,7 @@ def done_ids(path: Path) -> set[str]:
 
 
 def teacher_topk_batch(
-    model: object, prompts: list[list[int]], answers: list[list[int]], k: int
+    model: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]], k: int
 ) -> list[tuple]:
     """Top-k log-probs at each answer position of each prompt + answer, from one right-padded
     causal pass (padding comes after each row's tokens, so causal attention never reads it)
@@ -96,9 +100,6 @@ def distill(
     already answered are not answered again (a new prompt-set version repeats many of them).
     `self_prompts`: the teacher writes the prompts itself (`self_prompts.py`, kept in the
     output directory) instead of the templates; `max_minutes` covers both stages."""
-    from clover.checkpoints import resolve_device
-    from clover.decoding.loop import BatchDecoder
-    from clover.engine import LLM, GenerationSettings
 
     if n_prompts < 1 or batch_size < 1 or top_k < 1 or max_tokens < 1:
         raise CloverError("prompts, batch size, top-k and max tokens must be >= 1")
@@ -153,8 +154,6 @@ def distill(
     s = llm.default_settings(GenerationSettings(decoder="ar", max_tokens=max_tokens))
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill",
                    unit="prompt")  # fmt: skip
     t0, tokens, written, too_long = time.perf_counter(), 0, 0, 0

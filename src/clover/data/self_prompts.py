@@ -20,10 +20,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
+from tqdm import tqdm
+
+from clover.data.bench_prompts import SPEED_PROMPTS
 from clover.data.prompts import prompt_id, split_of
+from clover.data.suite import default_suite_path, load_suite
+from clover.decoding.loop import BatchDecoder
+from clover.decoding.sampling import SamplingParams
+from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.files import truncate_torn_tail
 
@@ -55,8 +63,6 @@ def benchmark_questions() -> set[str]:
     """First sentences (normalised) of the quality suite's and the speed bench's prompts: a
     self prompt that asks one of them is dropped, so acceptance measured there stays measured
     on prompts no drafter trained on."""
-    from clover.data.bench_prompts import SPEED_PROMPTS
-    from clover.data.suite import default_suite_path, load_suite
 
     out = {_first_sentence(p) for p in SPEED_PROMPTS}
     if default_suite_path().is_file():
@@ -119,16 +125,11 @@ def to_records(attempts: list[dict], heldout: float = 0.05) -> list[dict]:
     return out
 
 
-def self_prompt_set(llm: object, n: int, out_dir: Path, *, seed: int = 0,
+def self_prompt_set(llm: LLM, n: int, out_dir: Path, *, seed: int = 0,
                     batch_size: int = 16, max_tokens: int = 48, temperature: float = 1.0,
                     top_k: int = 40, max_minutes: float | None = None,
                     progress: bool = True) -> list[dict]:  # fmt: skip
     """`n` prompts written by `llm` (resumable; fewer if `max_minutes` runs out first)."""
-    import time
-
-    from clover.decoding.loop import BatchDecoder
-    from clover.decoding.sampling import SamplingParams
-    from clover.engine import GenerationSettings
 
     path = Path(out_dir) / "self_prompts.jsonl"
     truncate_torn_tail(path)
@@ -146,8 +147,6 @@ def self_prompt_set(llm: object, n: int, out_dir: Path, *, seed: int = 0,
     policy, eos = s.policy(), llm.eos_token_ids
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=n, initial=len(records), desc="self prompts", unit="prompt")
     t0 = time.perf_counter()
     batch = BatchDecoder(llm.runtime, cached=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -84,7 +84,7 @@ class Batch:
         seed_index: int = 0,
         constraint: LogitsConstraint | None = None,
         marks: tuple[int, ...] | list[int] = (),
-        partition: object = None,
+        partition: Hashable = None,
     ) -> Row:
         """Queue a prompt into the batch; returns its row (its `.result` fills as it runs).
         `constraint` limits which tokens the row may commit (`constraints.py`). `marks`:

@@ -28,6 +28,7 @@ import torch
 from clover import kernels
 from clover.decoding.drafting import DrafterRunner
 from clover.files import atomic_write_text, cache_dir
+from clover.models.cache import ModelCache
 from clover.models.drafter import Drafter, fingerprint
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
@@ -208,7 +209,7 @@ def model_costs(model: torch.nn.Module, drafter: Drafter | None = None) -> PassC
 # --- timing one pass -------------------------------------------------------------------------
 
 
-def _reset_after(cache: object, committed: int) -> Callable[[], None]:
+def _reset_after(cache: ModelCache, committed: int) -> Callable[[], None]:
     """Undo a pass's commits (KV: the length; recurrent layers: their tracked state)."""
     cache.enable_rollback()
 

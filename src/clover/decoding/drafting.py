@@ -22,6 +22,7 @@ import torch
 
 from clover.decoding.sampling import draw_drafts
 from clover.decoding.trees import PAD, branch, floor, leaf_tree, likeliest
+from clover.models.cache import ModelCache
 from clover.models.drafter import Drafter
 from clover.models.layout import StepLayout
 from clover.quant import head_rows, release_freed_memory
@@ -69,7 +70,7 @@ class DrafterRunner:
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
-    def add_row(self, cache: object = None) -> None:
+    def add_row(self, cache: ModelCache = None) -> None:
         """A row joins the batch with its 1-row drafter cache (its prefill's context), or an
         empty one."""
         cache = cache if cache is not None else self.drafter.make_cache(1)

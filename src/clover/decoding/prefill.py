@@ -30,7 +30,7 @@ class Prefill:
         row: Row,
         cache: ModelCache,
         drafting: DrafterRunner | None = None,
-        dcache: object = None,
+        dcache: ModelCache | None = None,
         running: bool = False,
         defer: bool = False,
     ) -> None:

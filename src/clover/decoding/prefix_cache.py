@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +155,7 @@ class PrefixCache:
 
     # --- lookup and restore -------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int], limit: int, exact: bool, partition: object = None) -> Hit:
+    def lookup(self, tokens: list[int], limit: int, exact: bool, partition: Hashable = None) -> Hit:
         """The longest cached prefix of tokens[:limit] in `partition`. exact: only snapshots
         count (a model with recurrent layers); otherwise any block boundary does too."""
         with self._lock:
@@ -225,7 +226,7 @@ class PrefixCache:
         tokens: list[int],
         snapshots: dict[int, list | None],
         pin: Block | None,
-        partition: object = None,
+        partition: Hashable = None,
     ) -> Block | None:
         """Save what row `row` of `cache` has committed: `tokens` are its committed ids (the
         cache holds len(tokens) of them). Full blocks go into the chain; a snapshot goes at

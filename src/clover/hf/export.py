@@ -20,6 +20,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors.torch import save_file
+
+from clover.checkpoints.hf_dir import checkpoint_state
+from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.hf import hf_config
 
@@ -63,11 +67,7 @@ def _copy_tokenizer(source: Path, target: Path) -> None:
     _write_json(target / "tokenizer_config.json", config)
 
 
-def _write_checkpoint(llm: object, target: Path, dtype: str) -> None:
-    from safetensors.torch import save_file
-
-    from clover.checkpoints.hf_dir import checkpoint_state
-    from clover.engine import GenerationSettings
+def _write_checkpoint(llm: LLM, target: Path, dtype: str) -> None:
 
     state = checkpoint_state(llm.model)  # the family's published names (plus ours)
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
@@ -118,7 +118,6 @@ def export(
         raise CloverError(f"export dtype {dtype!r}: choose {' or '.join(EXPORT_DTYPES)}")
     out = Path(out_dir).expanduser()
     _check_target(out, force)  # before loading: a refusal should be instant
-    from clover.engine import LLM
 
     llm = LLM(model, dtype=dtype, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)

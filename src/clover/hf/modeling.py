@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.auto.modeling_auto import AutoModelForCausalLM
 
+from clover.checkpoints.hf_dir import model_from_state, read_hf_dir
 from clover.decoding.loop import RowResult, generate
 from clover.decoding.policies import make_policy
 from clover.decoding.sampling import SamplingParams
@@ -100,7 +101,6 @@ class CloverForCausalLM(PreTrainedModel):
     def _from_published_layout(
         cls, directory: Path, config: CloverConfig, dtype: object
     ) -> CloverForCausalLM:
-        from clover.checkpoints.hf_dir import model_from_state, read_hf_dir
 
         native, state = read_hf_dir(directory)
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32

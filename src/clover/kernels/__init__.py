@@ -100,7 +100,7 @@ def _build_lock(target: Path) -> Iterator[None]:
     behind, after which every later load waits forever; an OS lock dies with its
     process, so whoever holds it may remove that stale file."""
     try:
-        import fcntl
+        import fcntl  # POSIX only
     except ImportError:  # not a POSIX system: PyTorch's lock alone
         yield
         return
@@ -156,7 +156,7 @@ def load(verbose: bool = False) -> ModuleType | None:
     try:
         target.mkdir(parents=True, exist_ok=True)
         with _build_lock(target):
-            from torch.utils import cpp_extension
+            from torch.utils import cpp_extension  # slow to import: only to build
 
             module = cpp_extension.load(
                 name=name,

@@ -14,7 +14,7 @@ from types import ModuleType
 
 from clover.errors import CloverError
 from clover.models import clover, llada2, llama, qwen3
-from clover.models.base import DiffusionLM, on_meta
+from clover.models.base import ConfigMixin, DiffusionLM, on_meta
 
 ARCHITECTURES: dict[str, ModuleType] = {t: llama for t in llama.MODEL_TYPES}
 ARCHITECTURES.update({t: qwen3 for t in qwen3.MODEL_TYPES})
@@ -71,7 +71,7 @@ def make_config(d: dict) -> object:
     return architecture(d.get("model_type")).Config.from_dict(d)
 
 
-def build_model(config: object, meta: bool = False) -> DiffusionLM:
+def build_model(config: ConfigMixin, meta: bool = False) -> DiffusionLM:
     """The architecture's model for `config`; meta: shapes only, on the meta device, with no
     initializer run (the caller assigns every tensor)."""
     if not meta:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from clover.errors import CloverError
@@ -191,7 +192,6 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_adapter(model: nn.Module, path: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the adapter as one safetensors file (config in its metadata), atomically."""
-    from safetensors.torch import save_file
 
     path = Path(path)
     state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in adapter_state(model).items()}

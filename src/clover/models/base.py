@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import fields
 from typing import Literal
@@ -191,9 +192,8 @@ class DiffusionLM(nn.Module):
         process compiles a handful of graphs (each can take a minute or more on a small CPU;
         cached on disk by PyTorch, which shortens the next process's start). Inference only:
         the eager backbone is the reference (`test_compile_causal_matches_eager`)."""
-        import shutil
 
-        import torch._dynamo
+        import torch._dynamo  # slow to import: only to compile
 
         on_cpu = next(self.parameters()).device.type == "cpu"
         compilers = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]

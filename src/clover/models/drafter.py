@@ -39,10 +39,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from clover import kernels
 from clover.errors import CloverError
 from clover.files import atomic_write, read_header
+from clover.kernels.qgemm import fused_part as packed
 from clover.models.base import on_meta
 from clover.models.cache import KVCache, ModelCache
 from clover.models.layers import RMSNorm, SwiGLU, apply_rope, attend, rope_cos_sin, rope_inv_freq
@@ -304,8 +307,6 @@ class Drafter(nn.Module):
         int4 in Clover's kernels and the cache is float32 K/V, at inference; made once per
         kernel path. Through the modules, a drafter pass of one or two tokens is mostly
         PyTorch's per-op overhead (~20 ops a layer)."""
-        from clover import kernels
-        from clover.kernels.qgemm import fused_part as packed
 
         if torch.is_grad_enabled() or kernels.load() is None:
             return None
@@ -481,7 +482,6 @@ def init_from_target(drafter: Drafter, target: nn.Module, features: torch.Tensor
 
 def save_drafter(drafter: Drafter, path: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """One safetensors file, the config in its metadata; written atomically."""
-    from safetensors.torch import save_file
 
     path = Path(path)
     state = {n: t.detach().to(dtype).contiguous().cpu() for n, t in drafter.state_dict().items()}
@@ -510,7 +510,6 @@ def load_drafter(
     """The drafter in `path`; with `target`, refused unless it was trained on that model.
     linear_dtype: its linears' weights in this dtype instead (the file's, for a caller that
     quantizes them next: no float32 copy is made)."""
-    from safetensors.torch import load_file
 
     config = read_drafter_config(path)
     if target is not None and fingerprint(target) != config.target_fingerprint:
@@ -599,7 +598,6 @@ def speculators_state(drafter: Drafter) -> dict[str, torch.Tensor]:
 def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures: list[str],
                        force: bool = False) -> Path:  # fmt: skip
     """Write `out_dir/config.json` + `model.safetensors` in the speculators format."""
-    from safetensors.torch import save_file
 
     drafter = load_drafter(Path(drafter_file))
     if drafter.config.chain:  # refused before anything is written

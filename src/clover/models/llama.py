@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from clover import kernels
 from clover.errors import CloverError
+from clover.kernels.qgemm import fused_part as packed
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.cache import KVCache, LayerCache, kv_dtype
 from clover.models.layers import (
@@ -254,7 +256,6 @@ class LlamaModel(DiffusionLM):
         self, fused: list, input_ids: torch.Tensor, layout: StepLayout, caches: list[LayerCache]
     ) -> torch.Tensor:
         """`backbone` through the fused layers: input_ids [B, T] -> hidden [B, T, D] bf16."""
-        from clover import kernels
 
         x = self.model.embed_tokens(input_ids).float()  # [B, T, D], the residual in float32
         cos, sin = rope_cos_sin(layout.positions, self.inv_freq)  # [B, 1, T, R]
@@ -272,8 +273,6 @@ def build_fused_layers(model: LlamaModel) -> list | None:
     """One kernels.FusedLayer per decoder layer, from the quantized modules (q/k/v and gate/up
     packed, or apart where their formats differ; Int4Linear or Int8Linear with a GGUF's 8-bit
     levels, in Clover's kernels); None where any piece is missing."""
-    from clover import kernels
-    from clover.kernels.qgemm import fused_part as packed
 
     module = kernels.load()
     if module is None or model.device.type != "cpu":

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clover.errors import CloverError
+from clover.quant import int8_matmul, int8_rows
 
 
 class MoE(nn.Module):
@@ -81,8 +82,6 @@ class MoE(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         i = self.local_index[e] if self.local_index is not None else e
         if self.int8 is not None:  # weight-only int8 experts (clover.quant)
-            from clover.quant import int8_matmul
-
             gu_q, gu_s, d_q, d_s = self.int8
             gate, up = int8_matmul(x, gu_q[i], gu_s[i]).chunk(2, dim=-1)
             return int8_matmul(F.silu(gate) * up, d_q[i], d_s[i])
@@ -90,7 +89,6 @@ class MoE(nn.Module):
         return F.linear(F.silu(gate) * up, self.down[i])
 
     def quantize_experts_int8(self) -> None:
-        from clover.quant import int8_rows
 
         gu_q, gu_s = int8_rows(self.gate_up.detach())
         d_q, d_s = int8_rows(self.down.detach())
@@ -123,7 +121,7 @@ class MoE(nn.Module):
         else:
             out = self._forward_loop(flat, weights, ids)
         if self.local_index is not None:
-            import torch.distributed as dist
+            import torch.distributed as dist  # absent from some torch builds
 
             dist.all_reduce(out, group=self.ep_group)  # every rank adds its experts' share
         if self.shared_width:

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any
 
 from clover.decoding.loop import generate
@@ -164,7 +164,7 @@ class Runtime:
         settings: GenerationSettings,
         n: int,
         marks: tuple = (),
-        partition: object = None,
+        partition: Hashable = None,
     ) -> Ticket:
         try:
             return self.scheduler.submit(prompt, settings, n, marks, partition)

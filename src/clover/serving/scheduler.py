@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from clover.decoding.loop import BatchDecoder
@@ -109,7 +110,7 @@ class Scheduler:
         settings: GenerationSettings,
         n: int = 1,
         marks: tuple = (),
-        partition: object = None,
+        partition: Hashable = None,
     ) -> Ticket:
         request = Request.of(self.llm, settings)  # checked now, not when it is admitted
         with self._lock:

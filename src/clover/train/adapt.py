@@ -43,9 +43,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+from clover.checkpoints import loader
+from clover.checkpoints.hf_dir import save_checkpoint
+from clover.data.distill import load_examples
+from clover.engine import LLM
 from clover.errors import CloverError
-from clover.models.adapter import AdapterConfig, adapter_state, attach_adapter, save_adapter
+from clover.models.adapter import (
+    AdapterConfig,
+    adapter_state,
+    attach_adapter,
+    load_adapter,
+    read_adapter_config,
+    save_adapter,
+)
 from clover.models.layout import noisy_layout, training_layout
 
 NOISE = ("two_copies", "complement_epochs", "independent")
@@ -112,7 +124,7 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: Path, **overrides: object) -> TrainConfig:
-        import yaml
+        import yaml  # pyyaml comes with transformers; only for run configs
 
         try:
             d = yaml.safe_load(Path(path).read_text()) or {}
@@ -233,7 +245,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor, tid: torch.Tensor, tlp: to
     return (p * (p.clamp_min(1e-12).log() - logp.gather(-1, tid))).sum(-1).mean()
 
 
-def noisy_over_clean(model: object, batch: dict, autocast: object) -> torch.Tensor:
+def noisy_over_clean(model: torch.nn.Module, batch: dict, autocast: object) -> torch.Tensor:
     """The split training pass: the clean sequence once into a cache without gradients (the
     base is frozen), then the batch's noisy copies over it. -> hidden [B, copies * A, D]."""
     B, A, C, bs = batch["clean"].shape[0], batch["ans_len"], batch["clean_len"], batch["block"]
@@ -245,7 +257,9 @@ def noisy_over_clean(model: object, batch: dict, autocast: object) -> torch.Tens
         return model.forward_over_prefix(batch["noisy"], cache, layout)
 
 
-def compute_loss(model: object, batch: dict, cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
+def compute_loss(
+    model: torch.nn.Module, batch: dict, cfg: TrainConfig
+) -> tuple[torch.Tensor, dict]:
     """-> (total loss, {"masked", "ar", "confident": floats, "tokens": int})."""
     dev = batch["clean"].device
     B, A, C, bs = batch["clean"].shape[0], batch["ans_len"], batch["clean_len"], batch["block"]
@@ -299,7 +313,7 @@ def compute_loss(model: object, batch: dict, cfg: TrainConfig) -> tuple[torch.Te
     return total, {**stats, "tokens": int(valid.sum())}
 
 
-def draft_acceptance(model: object, batch: dict, cfg: TrainConfig) -> dict:
+def draft_acceptance(model: torch.nn.Module, batch: dict, cfg: TrainConfig) -> dict:
     """Fully masked blocks (what a self_spec draft sees): per block, how many leading drafted
     positions (1..B-1) equal the teacher's token -> mean run ("accept": drafts a self_spec
     pass would keep) and per-position accuracy. batch: from make_batch with full masks."""
@@ -341,8 +355,6 @@ def set_trainable(model: torch.nn.Module, cfg: TrainConfig) -> int:
         config = AdapterConfig(rank=cfg.rank, alpha=cfg.alpha, targets=targets, layers=layers,
                                mask_embedding=cfg.mask_embedding)  # fmt: skip
         if cfg.init_adapter:
-            from clover.models.adapter import load_adapter, read_adapter_config
-
             config = read_adapter_config(Path(cfg.init_adapter))
             load_adapter(model, Path(cfg.init_adapter))
         else:
@@ -391,7 +403,6 @@ def train(
 ) -> dict:
     """Run (or continue) the adaptation; `until` stops early at that step, as a killed or
     time-boxed run would, with the schedule of the full `cfg.steps`."""
-    from clover.engine import LLM
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -404,7 +415,6 @@ def train(
 
 def bf16_where_fast(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """cfg without bfloat16 autocast where bfloat16 matmuls are slow (`bf16_fast`)."""
-    from clover.checkpoints import loader
 
     if cfg.autocast_bf16 and not loader.bf16_fast(device):
         print("clover: this CPU has no bf16 instructions: training in float32 "
@@ -414,10 +424,9 @@ def bf16_where_fast(cfg: TrainConfig, device: torch.device) -> TrainConfig:
 
 
 def _train(
-    cfg: TrainConfig, llm: object, model: torch.nn.Module, resume: bool, progress: bool,
+    cfg: TrainConfig, llm: LLM, model: torch.nn.Module, resume: bool, progress: bool,
     until: int | None,
 ) -> dict:  # fmt: skip
-    from clover.data.distill import load_examples
 
     cfg = bf16_where_fast(cfg, next(model.parameters()).device)
     out = Path(cfg.out)
@@ -462,8 +471,6 @@ def _train(
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=cfg.steps, initial=step, desc="adapt", unit="step")
     t0, seen_tokens = time.perf_counter(), 0
     model.train()
@@ -568,9 +575,8 @@ def adapter_provenance(info: dict, cfg: TrainConfig, steps: int, tokens: int) ->
     return {"base": cfg.base, "steps": sum(st["steps"] for st in stages), "stages": stages}
 
 
-def export_model(model: torch.nn.Module, llm: object, target: Path) -> Path:
+def export_model(model: torch.nn.Module, llm: LLM, target: Path) -> Path:
     """The adapted model as an HF-format directory that every command loads (atomic)."""
-    from clover.checkpoints.hf_dir import save_checkpoint
 
     config = model.config
     config.default_decoder = "low_confidence"
@@ -595,7 +601,7 @@ def _trim_metrics(path: Path, step: int) -> None:
     path.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
 
 
-def evaluate(model: object, examples: list[dict], cfg: TrainConfig, mask_id: int,
+def evaluate(model: torch.nn.Module, examples: list[dict], cfg: TrainConfig, mask_id: int,
              pad_id: int) -> dict:  # fmt: skip
     """Held-out losses with a fixed mask draw (comparable across steps); and
     the draft acceptance at `eval_block` (see `draft_acceptance`), for every recipe."""

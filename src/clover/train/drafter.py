@@ -32,8 +32,24 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
 
+from clover.checkpoints.loader import bf16_fast
+from clover.data.distill import load_examples
+from clover.decoding.store import NgramIndex
+from clover.engine import LLM
 from clover.errors import CloverError
+from clover.models.drafter import (
+    Drafter,
+    fingerprint,
+    init_from_target,
+    load_drafter,
+    new_drafter,
+    read_drafter_config,
+    save_drafter,
+)
 
 
 @dataclass
@@ -119,7 +135,7 @@ class DrafterTrainConfig:
 
     @classmethod
     def from_yaml(cls, path: Path, **overrides: object) -> DrafterTrainConfig:
-        import yaml
+        import yaml  # pyyaml comes with transformers; only for run configs
 
         try:
             d = yaml.safe_load(Path(path).read_text()) or {}
@@ -149,7 +165,6 @@ def lr_at(step: int, cfg: DrafterTrainConfig) -> float:
 
 def load_sets(cfg: DrafterTrainConfig) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, held-out prompts of trained kinds, held-out kinds)."""
-    from clover.data.distill import load_examples
 
     records = [r for d in cfg.data_dirs for r in load_examples(d)]
     records = [r for r in records if r["answer_ids"] and len(r["prompt_ids"]) + 2 <= cfg.max_len]
@@ -240,10 +255,6 @@ def warm_cache(
     if cache.used + missing * width * 2 > cache.budget:
         return False
     if keep is not None:
-        from safetensors.torch import save_file
-
-        from clover.models.drafter import fingerprint
-
         meta = {"target": fingerprint(target), "dtype": dtype, "layers": list(layers),
                 "max_len": max_len}  # fmt: skip
         _read_kept(keep, meta, cache, set(lengths))
@@ -251,8 +262,6 @@ def warm_cache(
     todo.sort(key=lambda r: lengths[r["id"]])
     bar = None
     if progress and todo:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(todo), desc="target features", unit="record")
     i = 0
     while i < len(todo):
@@ -276,7 +285,6 @@ def warm_cache(
 def _read_kept(keep: Path, meta: dict, cache: FeatureCache, wanted: set[str]) -> None:
     """Kept features of `wanted` records into `cache`; a directory made for other features
     (its meta.json says what they were) is emptied."""
-    from safetensors import safe_open
 
     keep.mkdir(parents=True, exist_ok=True)
     path = keep / "meta.json"
@@ -320,7 +328,6 @@ def fixed_starts(records: list[dict], n: torch.Tensor, S: int) -> torch.Tensor:
 def head_weight(target: torch.nn.Module) -> torch.Tensor:
     """The target's LM head [V, D] (dequantized if it was quantized), in bfloat16 where the
     device multiplies it fast (`bf16_fast`), else float32."""
-    from clover.checkpoints.loader import bf16_fast
 
     head = getattr(target, "quantized_head", None)
     if head is not None and hasattr(head, "dequantized_weight"):
@@ -330,7 +337,7 @@ def head_weight(target: torch.nn.Module) -> torch.Tensor:
     return weight.to(torch.bfloat16 if bf16_fast(weight.device) else torch.float32)
 
 
-def loss_head(target: torch.nn.Module, drafter: object,
+def loss_head(target: torch.nn.Module, drafter: Drafter,
               cfg: DrafterTrainConfig) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(the head the loss and the evaluation score with, the draft vocabulary's ids or None):
     with `loss_vocab: draft` and a draft vocabulary, only the head's rows it drafts from."""
@@ -350,7 +357,7 @@ def head_index(rows: torch.Tensor | None, vocab_size: int) -> torch.Tensor | Non
     return index
 
 
-def teacher_forced(drafter: object, target: torch.nn.Module, head: torch.Tensor,
+def teacher_forced(drafter: Drafter, target: torch.nn.Module, head: torch.Tensor,
                    feats: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor,
                    B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The drafter over blocks of B positions at starts [N, S] of the sequences ids [N, L]
@@ -377,7 +384,6 @@ def copy_leans(tokens: list[int], starts: list[int], depth: int) -> list[list[in
     """Per block start p in a sequence's `tokens`: the token a chain drafter's draft at each
     of `depth` positions leans to in the decoder (`NgramIndex.follower` over tokens[: p + 1],
     the drafts before it being the sequence's own tokens p + 1 ..); None past its end."""
-    from clover.decoding.store import NgramIndex
 
     index, done, out = NgramIndex([]), 0, {}
     for p in sorted(set(starts)):
@@ -410,7 +416,7 @@ def lean_to_copies(logp: torch.Tensor, lean: torch.Tensor, bonus: float) -> torc
     return logp.scatter_add(-1, lean.clamp(min=0).to(logp.device)[..., None], add).log_softmax(-1)
 
 
-def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, batch: dict,
+def drafter_loss(drafter: Drafter, target: torch.nn.Module, head: torch.Tensor, batch: dict,
                  cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """head: the LM head's rows [n, D] the loss reads; rows: their token ids (None: the whole
@@ -469,7 +475,7 @@ def drafter_loss(drafter: object, target: torch.nn.Module, head: torch.Tensor, b
     }
 
 
-def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, records: list[dict],
+def evaluate(drafter: Drafter, target: torch.nn.Module, head: torch.Tensor, records: list[dict],
              cfg: DrafterTrainConfig, rows: torch.Tensor | None = None,
              cache: FeatureCache | None = None) -> dict:  # fmt: skip
     """Mean accepted draft length (greedy drafts vs the teacher's tokens) at fixed blocks;
@@ -502,9 +508,8 @@ def evaluate(drafter: object, target: torch.nn.Module, head: torch.Tensor, recor
 
 
 def _save(
-    out: Path, drafter: object, opt: torch.optim.Optimizer, state: dict, cfg: DrafterTrainConfig
+    out: Path, drafter: Drafter, opt: torch.optim.Optimizer, state: dict, cfg: DrafterTrainConfig
 ) -> None:
-    from clover.models.drafter import save_drafter
 
     tmp = out / ".checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -521,12 +526,11 @@ def _save(
     save_drafter(drafter, Path(cfg.drafter_file or out / "drafter.safetensors"))
 
 
-def start_from_file(drafter: object, target: torch.nn.Module, path: Path) -> None:
+def start_from_file(drafter: Drafter, target: torch.nn.Module, path: Path) -> None:
     """`init: <drafter file>`: the drafter takes the file's weights and draft vocabulary; the
     file must be a drafter of this target (its fingerprint) of the same shape, or of fewer
     layers (grown: its layers come first, and each added layer starts with zero output
     projections, so the grown drafter starts as the file's function)."""
-    from clover.models.drafter import load_drafter
 
     if not path.is_file():
         raise CloverError(f"init: no drafter file at {path}")
@@ -556,7 +560,6 @@ def start_from_file(drafter: object, target: torch.nn.Module, path: Path) -> Non
 
 def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | None = None) -> dict:
     """Train (or continue) a drafter; `until` stops at that step as a killed run would."""
-    from clover.engine import LLM
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -567,7 +570,6 @@ def train_drafter(cfg: DrafterTrainConfig, progress: bool = True, until: int | N
 
 def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, progress: bool,
                    until: int | None) -> dict:  # fmt: skip
-    from clover.models.drafter import init_from_target, new_drafter
 
     for p in target.parameters():
         p.requires_grad_(False)
@@ -606,8 +608,6 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8")
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=cfg.steps, initial=step, desc="drafter", unit="step")
     features = FeatureCache(cfg.feature_cache_gb)
     start = time.perf_counter() - elapsed
@@ -679,8 +679,6 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         bar.close()
     metrics.close()
     if not last and step:  # a finished run again: its drafter file rewritten in this format
-        from clover.models.drafter import read_drafter_config, save_drafter
-
         path = Path(cfg.drafter_file or out / "drafter.safetensors")
         if path.exists():
             drafter.config.info = read_drafter_config(path).info

@@ -16,7 +16,7 @@ from clover.errors import CloverError
 
 def main(argv: list[str] | None = None) -> int:
     """Run `lm_eval <argv>` (default: this process's arguments) with "clover" available."""
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # optional (`.[lm-eval]`)
 
     if argv is not None:
         # lm_eval's CLI reads sys.argv itself (it inserts the default "run" subcommand there)

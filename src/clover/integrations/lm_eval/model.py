@@ -104,7 +104,7 @@ class CloverLM(LM):
     def create_from_arg_string(
         cls, arg_string: str, additional_config: dict[str, Any] | None = None
     ) -> CloverLM:
-        from lm_eval.utils import simple_parse_args_string
+        from lm_eval.utils import simple_parse_args_string  # optional (`.[lm-eval]`)
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
