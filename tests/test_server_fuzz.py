@@ -104,6 +104,9 @@ def _cap(body: object) -> object:
                 body[name] = min(body[name], 8)
         if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
             body["n"] = min(body["n"], 2)
+        options = body.get("options")  # Ollama's budget
+        if isinstance(options, dict) and isinstance(options.get("num_predict"), int):
+            options["num_predict"] = max(min(options["num_predict"], 8), -2) or 1
     return body
 
 
@@ -112,6 +115,8 @@ BASE = {  # a valid body per route, for bodies that differ from one in a field o
     "/v1/completions": {"prompt": "hi"},
     "/v1/messages": {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
     "/v1/responses": {"input": "hi"},
+    "/api/chat": {"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 4}},
+    "/api/generate": {"prompt": "hi", "options": {"num_predict": 4}},
 }
 NARROW = {"model", "decoder", "draft"}  # random text is never valid there
 
@@ -154,9 +159,14 @@ def check(conn: http.client.HTTPConnection, path: str, body: str | bytes) -> Non
         error = json.loads(text)
         if path == "/v1/messages":
             assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+        elif path.startswith("/api/"):
+            assert set(error) == {"error"} and error["error"], error
         else:
             assert set(error["error"]) == {"message", "type", "param", "code"}, error
             assert isinstance(error["error"]["code"], str) and error["error"]["message"]
+    elif r.getheader("content-type", "").startswith("application/x-ndjson"):
+        lines = [json.loads(x) for x in text.splitlines() if x]
+        assert lines and (lines[-1].get("done") or "error" in lines[-1]), text[-200:]
     elif r.getheader("content-type", "").startswith("text/event-stream"):
         assert text.endswith("\n\n") and "data: " in text, text[-200:]
         assert '"error"' not in text or "timeout" not in text

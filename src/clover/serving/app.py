@@ -1,10 +1,13 @@
 """The FastAPI application: routes, middleware and error handling.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages` (Anthropic),
-`POST /v1/responses` (OpenAI Responses), `GET /v1/models`, `GET /health`, `GET /metrics`,
-`GET /version`, and the web page at `/` (static files, no build step). Handlers stay thin:
+`POST /v1/responses` (OpenAI Responses), Ollama's `POST /api/chat`, `POST /api/generate`,
+`GET /api/tags`, `GET /api/ps`, `POST /api/show`, `GET /api/version` (`ollama`),
+`GET /v1/models`, `GET /health`, `GET /metrics`, `GET /version`, and the web page at `/`
+(static files, no build step). Handlers stay thin:
 read the body (JSON only, size-limited), validate it (`protocol`; the Anthropic and Responses
-bodies are first translated into a chat request by `anthropic` / `openai_responses`), render
+bodies are first translated into a chat request by `anthropic` / `openai_responses` /
+`ollama`), render
 and tokenize the prompt (`prompt`), attach the answer's decoding rule if the request has one
 (JSON output, a forced tool call, a thinking budget: `constraints`), submit to the scheduler,
 and hand the tickets to `responses`, whose pieces each API formats its own way. All three
@@ -48,7 +51,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from clover.engine import LLM
-from clover.serving import anthropic, openai_responses, schemas
+from clover.serving import anthropic, ollama, openai_responses, schemas
 from clover.serving.constraints import JsonRule, TextRule, TokenConstraint, answer_rule
 from clover.serving.errors import APIError, api_for_path, bad_request, internal_error, send_error
 from clover.serving.options import ServeOptions
@@ -67,7 +70,8 @@ STATIC = Path(__file__).parent / "static"
 # /metrics labels requests by these routes; anything else counts as "other"
 ROUTES = frozenset(
     "/ /health /metrics /version /v1/models /v1/chat/completions /v1/completions "
-    "/v1/messages /v1/responses".split()
+    "/v1/messages /v1/responses /api/chat /api/generate /api/tags /api/ps /api/show "
+    "/api/version".split()
 )
 
 
@@ -252,6 +256,58 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
         )  # fmt: skip
         return await respond(call, request, stream, None)
 
+    async def ollama_answer(request: Request, generate: bool) -> Response:
+        arrived = time.monotonic()
+        body = await json_body(request)
+        if ollama.is_load(body, generate):  # a client warming the model up: it is loaded
+            return JSONResponse(ollama.loaded(runtime.limits.model_names[0], generate))
+        chat_body = ollama.to_chat_body(body, runtime.limits, generate)
+        req = parse_chat(chat_body, runtime.limits, ollama.NAMES)
+        call = await start_chat(req, arrived, "ollama-", request)
+        shape = ollama.generated if generate else ollama.message
+        return await respond(call, request, ollama.streamer(generate), shape, ollama.MEDIA)
+
+    @app.post("/api/chat", openapi_extra=schemas.body(schemas.OLLAMA_CHAT))
+    async def ollama_chat(request: Request) -> Response:
+        return await ollama_answer(request, generate=False)
+
+    @app.post("/api/generate", openapi_extra=schemas.body(schemas.OLLAMA_GENERATE))
+    async def ollama_generate(request: Request) -> Response:
+        return await ollama_answer(request, generate=True)
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> dict:
+        runtime.require_ready()
+        name = runtime.limits.model_names[0]
+        return {"models": [ollama.model_entry(runtime.llm, name)]}
+
+    @app.get("/api/ps")
+    async def ollama_ps() -> dict:
+        runtime.require_ready()
+        entry = ollama.model_entry(runtime.llm, runtime.limits.model_names[0])
+        return {"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]}
+
+    @app.post("/api/show")
+    async def ollama_show(request: Request) -> dict:
+        body = await json_body(request)
+        name = body.get("model") or body.get("name")
+        if name not in runtime.limits.model_names:
+            served = ", ".join(runtime.limits.model_names)
+            raise APIError(404, f"model {str(name)[:80]!r} not found; this server has {served}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return ollama.show(runtime.llm, name)
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict:
+        return {"version": __version__}
+
+    @app.api_route("/api/{name:path}", methods=["GET", "POST", "DELETE", "HEAD", "PUT"],
+                   include_in_schema=False)  # fmt: skip
+    async def ollama_other(name: str) -> Response:
+        if name.split("/")[0] in ollama.MANAGEMENT:
+            raise ollama.unsupported(name.split("/")[0])
+        raise APIError(404, f"no such route: /api/{name[:80]}", code="not_found")
+
     @app.get("/")
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
@@ -274,12 +330,15 @@ def create_app(options: ServeOptions, loader: Callable[[], LLM] | None = None) -
 
 
 class TicketStream(StreamingResponse):
-    """An SSE response that cancels its tickets however it ends, even before it started."""
+    """A streamed answer (SSE, or Ollama's NDJSON) that cancels its tickets however it ends,
+    even before it started."""
 
-    def __init__(self, call: Call, body: AsyncIterator[str]) -> None:
+    def __init__(
+        self, call: Call, body: AsyncIterator[str], media_type: str = "text/event-stream"
+    ) -> None:
         super().__init__(
             body,
-            media_type="text/event-stream",
+            media_type=media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self.call = call
@@ -297,11 +356,12 @@ async def respond(
     request: Request,
     streamer: Callable[[Call], AsyncIterator[str]],
     shape: Callable[[Call, dict], dict] | None,
+    media_type: str = "text/event-stream",
 ) -> Response:
-    """The answer as an SSE stream (`streamer`) or one JSON body: the chat/completions body,
-    reshaped for its API by `shape`."""
+    """The answer as a stream (`streamer`: SSE, or `media_type`'s) or one JSON body: the
+    chat/completions body, reshaped for its API by `shape`."""
     if call.request.stream:
-        return TicketStream(call, streamer(call))
+        return TicketStream(call, streamer(call), media_type)
     try:
         body = await complete(call, request.is_disconnected)
         return JSONResponse(shape(call, body) if shape is not None else body)

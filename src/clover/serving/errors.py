@@ -7,6 +7,7 @@ the request spoke:
   `{"error": {"message", "type", "param", "code"}}`, `code` a string or null.
 - "anthropic" (`/v1/messages`): `{"type": "error", "error": {"type", "message"}}`, whose
   `type` follows from the status (`ANTHROPIC_TYPES`).
+- "ollama" (`/api/...`): `{"error": message}`.
 
 `api_for_path` picks the shape from the request path, so middleware that answers before a
 route runs (401, Host/Origin refusals, 500s) speaks the same shape as the route would.
@@ -22,6 +23,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -37,7 +39,9 @@ ANTHROPIC_TYPES = {
 
 
 def api_for_path(path: str) -> str:
-    return "anthropic" if path.startswith(ANTHROPIC_PATHS) else "openai"
+    if path.startswith(ANTHROPIC_PATHS):
+        return "anthropic"
+    return "ollama" if path.startswith(OLLAMA_PATHS) else "openai"
 
 
 class APIError(Exception):
@@ -62,6 +66,8 @@ class APIError(Exception):
         if api == "anthropic":
             kind = ANTHROPIC_TYPES.get(self.status, "api_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
+        if api == "ollama":
+            return {"error": self.message}
         return error_body(self.message, self.kind, self.param, self.code)
 
     def response(self, api: str = "openai") -> JSONResponse:

@@ -145,6 +145,39 @@ RESPONSES = {
 }  # fmt: skip
 
 
+OLLAMA_OPTIONS = {
+    "type": "object",
+    "properties": {
+        "temperature": NUM, "top_p": NUM, "top_k": INT, "seed": INT, "num_ctx": INT,
+        "num_predict": INT, "stop": {"type": "array", "items": TEXT, "maxItems": 4},
+        "num_thread": INT,
+    },
+}  # fmt: skip
+OLLAMA_COMMON = {
+    "model": TEXT, "stream": BOOL, "options": OLLAMA_OPTIONS, "keep_alive": TEXT,
+    "format": {"anyOf": [{"const": "json"}, PARAMS]},
+    "think": {"anyOf": [BOOL, {"enum": ["low", "medium", "high"]}]},
+}  # fmt: skip
+OLLAMA_CHAT = {
+    "type": "object",
+    "properties": {
+        **OLLAMA_COMMON,
+        "messages": {"type": "array", "maxItems": 4, "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": TEXT,
+                "tool_name": TEXT, "thinking": TEXT,
+                "tool_calls": {"type": "array", "maxItems": 2, "items": {"type": "object"}}}}},
+        "tools": {"type": "array", "items": CHAT_TOOL, "maxItems": 3},
+    },
+    "required": ["messages"],
+}  # fmt: skip
+OLLAMA_GENERATE = {
+    "type": "object",
+    "properties": {**OLLAMA_COMMON, "prompt": TEXT, "system": TEXT, "raw": BOOL},
+    "required": ["prompt"],
+}  # fmt: skip
+
+
 def body(schema: dict[str, Any]) -> dict[str, Any]:
     """`openapi_extra` for a route whose JSON body follows `schema`."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
