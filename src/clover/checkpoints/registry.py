@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 from collections import deque
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from clover.checkpoints import cache
 from clover.checkpoints import parts as split
+from clover.checkpoints.local import hub_ref, resolve_hub
 from clover.checkpoints.parts import Part
 from clover.errors import CloverError
 from clover.files import cache_dir
@@ -324,6 +327,59 @@ def _pull_parts(entry: ModelEntry, progress: bool) -> Path:
     )
 
 
+def installed() -> list[tuple[ModelEntry, Path]]:
+    """The registry's models installed here, with their files."""
+    found = [(entry, _locate(entry)) for entry in KNOWN_MODELS.values()]
+    return [(entry, path) for entry, path in found if path is not None]
+
+
+def remove(name: str, *, progress: bool = True) -> tuple[int, list[str]]:
+    """Remove what Clover downloaded for registry model `name`: its packages (pip
+    uninstall), a split model's assembled file, and what Clover derived from the file
+    (tokenizer, packed weights). -> (bytes freed, the other registry names that went with it:
+    they ship in the same file). A model that is not installed is an error that says so; the
+    Hugging Face cache is not Clover's to remove from."""
+    entry = KNOWN_MODELS.get(name.strip().lower())
+    if entry is None:
+        if hub_ref(name):
+            raise CloverError(
+                f"{name} names a Hugging Face repo; Clover only reads that cache and removes "
+                "nothing from it: use `huggingface-cli delete-cache` (or `hf cache rm`)"
+            )
+        raise CloverError(f"unknown model {name!r}; known models: {_known_names()}")
+    path = _locate(entry)
+    if path is None:
+        raise CloverError(f"{entry.name} is not installed: nothing to remove")
+    along = [e.name for e, p in installed() if e is not entry and p == path]
+    freed = sum(e.bytes for e in derived(path))
+    for e in derived(path):
+        shutil.rmtree(e.path, ignore_errors=True)
+    if entry.parts:
+        freed += path.stat().st_size
+        path.unlink()
+        packages = sorted({p.package for p in entry.parts})
+    else:
+        freed += path.stat().st_size
+        packages = [entry.package]
+    _run_pip_uninstall(packages, progress)
+    return freed, along
+
+
+def derived(path: Path) -> list[cache.CacheEntry]:
+    """The cache entries made from `path` (and from no other file)."""
+    name = str(path.resolve())
+    return [e for e in cache.entries() if e.files == [name]]
+
+
+def _run_pip_uninstall(packages: list[str], progress: bool) -> None:
+    command = [sys.executable, "-m", "pip", "uninstall", "-y", *packages]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if progress and done.stdout:
+        print(done.stdout, end="", file=sys.stderr)
+    if done.returncode != 0:
+        raise CloverError(f"pip could not uninstall {' '.join(packages)}: {done.stderr[-300:]}")
+
+
 def _looks_like_path(model: str) -> bool:
     return (
         os.sep in model
@@ -346,8 +402,9 @@ def _check_gguf(path: Path) -> None:
 def resolve(model: str, *, pull_if_missing: bool = True, progress: bool = True) -> ResolvedModel:
     """A known model name, a `.gguf` file or an HF directory with config.json -> ResolvedModel."""
     what_is_valid = (
-        f"known models: {_known_names()}; or a path to a .gguf file, "
-        "or to a directory containing config.json (Hugging Face format)"
+        f"known models: {_known_names()}; or a path to a .gguf file, or to a directory "
+        "containing config.json (Hugging Face format); or ORG/NAME[:QUANT] from the Hugging "
+        "Face cache (`clover list` shows what is there)"
     )
     if not isinstance(model, str) or not model.strip():
         raise CloverError(f"no model given; {what_is_valid}")
@@ -364,6 +421,11 @@ def resolve(model: str, *, pull_if_missing: bool = True, progress: bool = True) 
         return ResolvedModel(name=entry.name, path=path, kind="gguf", entry=entry)
 
     path = Path(model).expanduser()
+    if not path.exists() and hub_ref(model):  # ORG/NAME[:QUANT] in the Hugging Face cache
+        found, kind = resolve_hub(model.strip())
+        if kind == "gguf":
+            _check_gguf(found)
+        return ResolvedModel(name=model.strip(), path=found, kind=kind, entry=None)
     if not path.exists():
         if _looks_like_path(model):
             raise CloverError(f"{model}: no such file or directory")
