@@ -156,6 +156,20 @@ def test_rm_removes_only_what_clover_downloaded(hub, monkeypatch, tmp_path, caps
     assert (hub / "models--org--tiny-GGUF").is_dir()  # untouched
 
 
+def test_revision_flag_names_the_revision(hub):
+    from clover import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "-m", "org/tiny-GGUF:Q4_K_M", "--revision", "v2"])
+    assert cli._with_revision(args.model, args.revision) == "org/tiny-GGUF:Q4_K_M@v2"
+    assert resolve(cli._with_revision(args.model, args.revision)).path.parent.name == "beef"
+    with pytest.raises(CloverError, match="is not one"):
+        cli._with_revision("smollm2-135m", "v2")
+    with pytest.raises(CloverError, match="names its revision already"):
+        cli._with_revision("org/x@v1", "v2")
+    assert main(["generate", "-m", "smollm2-135m", "--revision", "v2", "-p", "hi"]) == 1
+
+
 def test_resolve_hub_reads_the_revision_a_branch_names(hub):
     path, kind = resolve_hub("org/tiny-GGUF:Q4_K_M@v2")
     assert kind == "gguf" and path.name == "tiny-Q4_K_M.gguf"

@@ -19,7 +19,7 @@ from clover import __version__, kernels
 from clover.bench.cli import add_bench_parser
 from clover.checkpoints import PRESETS, cache, model_config, pull, resolve
 from clover.checkpoints.hf_dir import check_dir
-from clover.checkpoints.local import LocalModel, gguf_quant, hub_cache, hub_models
+from clover.checkpoints.local import LocalModel, gguf_quant, hub_cache, hub_models, hub_ref
 from clover.checkpoints.registry import DEFAULT_MODEL, KNOWN_MODELS, installed, remove
 from clover.data.distill import distill
 from clover.decoding.settings import kind, specs
@@ -41,7 +41,9 @@ def peak_rss_mb() -> float:
 
 
 def _model_args(p: argparse.ArgumentParser, store: bool = True) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="name, GGUF file or HF directory")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="name, GGUF file, HF directory, or Hub repo ORG/NAME[:QUANT]")  # fmt: skip
+    p.add_argument("--revision", help="a Hub repo's branch, tag or commit (default: main)")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
     p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter); "
                    "none: not even the model's own")  # fmt: skip
@@ -68,6 +70,16 @@ def _model_args(p: argparse.ArgumentParser, store: bool = True) -> None:
         help="int4 from a GGUF: tensors stored wider than 4 bits (Q5_0, Q6_K, Q8_0) keep their "
         "8-bit levels (int8: exact, default) or are rounded to 4 bits (int4: faster, not exact)",
     )
+
+
+def _with_revision(model: str, revision: str) -> str:
+    """`--model ORG/NAME[:QUANT] --revision REV` as the one reference ORG/NAME[:QUANT]@REV."""
+    m = hub_ref(model)
+    if m is None:
+        raise CloverError(f"--revision picks a Hub repo's revision; {model!r} is not one")
+    if m["revision"]:
+        raise CloverError(f"{model} names its revision already (@{m['revision']})")
+    return f"{model}@{revision}"
 
 
 def _runtime_args(p: argparse.ArgumentParser) -> None:
@@ -754,6 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "revision", None):
+            args.model = _with_revision(args.model, args.revision)
         return args.func(args)
     except CloverError as e:
         print(f"error: {e}", file=sys.stderr)
