@@ -40,61 +40,15 @@ import itertools
 import os
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 
 import torch
 
+from clover.decoding.prefix_blocks import EMPTY_ROOT, Block, Hit, PrefixStats, Snapshot, nbytes
 from clover.errors import CloverError
 from clover.models.cache import ModelCache
 
 MIN_DEFAULT_BYTES = 256 * 2**20
 COPY_BLOCKS = 64  # blocks copied out of a row's cache per copy when saving
-
-
-@dataclass(eq=False)
-class Snapshot:
-    tail: tuple[int, ...]  # tokens past the block it hangs from
-    kv: torch.Tensor | None  # [L_attn, 2, H_kv, len(tail), D]; None without attention layers
-    states: list[tuple[torch.Tensor, ...]]  # one per recurrent layer (`LayerCache.copy_out`)
-    nbytes: int
-    used: int = 0
-
-
-@dataclass(eq=False)
-class Block:
-    id: int
-    parent: Block | None
-    tokens: tuple[int, ...]
-    kv: torch.Tensor | None  # [L_attn, 2, H_kv, block_tokens, D]
-    end: int  # position just past this block
-    nbytes: int = 0
-    used: int = 0
-    refs: int = 0  # rows pinning this block (their deepest one)
-    children: int = 0
-    snaps: dict[tuple[int, ...], Snapshot] = field(default_factory=dict)
-
-
-@dataclass
-class Hit:
-    length: int  # tokens served from the cache
-    path: list[Block]  # full blocks from the root
-    snap: Snapshot | None
-
-
-@dataclass
-class PrefixStats:
-    lookups: int = 0
-    hits: int = 0  # lookups that reused at least one token
-    prompt_tokens: int = 0  # tokens of the prompts looked up
-    cached_tokens: int = 0  # of those, served from the cache
-    saved_blocks: int = 0
-    saved_snapshots: int = 0
-    evictions: int = 0  # blocks and snapshots dropped to make room
-    skipped: int = 0  # blocks or snapshots not saved: no room even after eviction
-
-
-def _nbytes(tensors: list[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class PrefixCache:
@@ -135,7 +89,7 @@ class PrefixCache:
         K/V of the tokens between two of them does (a few thousand tokens for the published
         35B shape, whose GDN states take ~60 MB a snapshot)."""
         if capacity_mb is None:
-            weights = _nbytes([*model.parameters(), *model.buffers()])
+            weights = nbytes([*model.parameters(), *model.buffers()])
             capacity = min(max(weights, MIN_DEFAULT_BYTES), max(_memory_bytes() // 4, 1))
         else:
             if capacity_mb < 0:
@@ -146,8 +100,8 @@ class PrefixCache:
             layers = model.make_layer_caches(1)
             for c in layers:
                 c.reserve(1)
-            state = sum(_nbytes(list(c.copy_out(0, 0, 0))) for c in layers if c.recurrent)
-            kv = sum(_nbytes(list(c.copy_out(0, 0, 1))) for c in layers if not c.recurrent)
+            state = sum(nbytes(list(c.copy_out(0, 0, 0))) for c in layers if c.recurrent)
+            kv = sum(nbytes(list(c.copy_out(0, 0, 1))) for c in layers if not c.recurrent)
         every = max(256, -(-state // max(kv, 1)))
         every = -(-every // block) * block  # a whole number of blocks
         recurrent = any(c.recurrent for c in layers)
@@ -160,7 +114,7 @@ class PrefixCache:
         count (a model with recurrent layers); otherwise any block boundary does too."""
         with self._lock:
             bs = self.block_tokens
-            node, depth = self.roots.get(partition, _EMPTY_ROOT), 0
+            node, depth = self.roots.get(partition, EMPTY_ROOT), 0
             path: list[Block] = []
             best_len, best_depth, best_snap = 0, 0, None
             while True:
@@ -274,9 +228,9 @@ class PrefixCache:
                 kv = None  # [L_attn, 2, H, bs, D] in its own storage (evicted alone)
                 if fresh is not None:
                     kv = fresh[:, :, :, start - first : start - first + bs].clone()
-                if not self._make_room(_nbytes([kv]), keep=chain):
+                if not self._make_room(nbytes([kv]), keep=chain):
                     break
-                child = Block(next(self._ids), node, key[1], kv, start + bs, _nbytes([kv]))
+                child = Block(next(self._ids), node, key[1], kv, start + bs, nbytes([kv]))
                 self.table[key] = child
                 node.children += 1
                 self.bytes += child.nbytes
@@ -325,7 +279,7 @@ class PrefixCache:
                 return  # the recurrent state there was not captured
             states = self.capture(cache, row)
         kv = self._kv(cache, row, kinds, node.end, pos) if tail else None
-        size = _nbytes([kv, *(t for s in states for t in s)])
+        size = nbytes([kv, *(t for s in states for t in s)])
         if not self._make_room(size, keep=chain):
             return
         node.snaps[tail] = Snapshot(tail, kv, states, size, now)
@@ -426,9 +380,6 @@ class PrefixCache:
             for b in sorted(self.table.values(), key=lambda b: -b.end):  # children first
                 if not b.children and not b.refs:
                     self._drop_block(b)
-
-
-_EMPTY_ROOT = Block(-1, None, (), None, 0)  # a partition with nothing cached: no chains
 
 
 def _memory_bytes() -> int:
