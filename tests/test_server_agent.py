@@ -45,15 +45,12 @@ ANSWER = "It is sunny."
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("agent"), 2048, THINKING_CHATML)
-    scripted = scripted_loader(checkpoint, {False: CALL, True: f"{REASONING}</think>\n{ANSWER}"})
-
-    def load():  # the tools' system block needs more than the scripted model's 512 tokens
-        llm = scripted()
-        llm.model.config.max_position_embeddings = 2048
-        return llm
+    load = scripted_loader(
+        checkpoint, {False: CALL, True: f"{REASONING}</think>\n{ANSWER}"}, context=2048
+    )
 
     with serve_in_thread(ServeOptions(model=str(checkpoint)), load) as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), scripted.model
+        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), load.model
 
 
 def _script(model, text: str) -> None:

@@ -42,17 +42,14 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("anthropic"), 2048, THINKING_CHATML)
-    scripted = scripted_loader(checkpoint, {False: CALL, True: f"{REASONING}</think>\n{ANSWER}"})
-
-    def load():  # the tools' system block needs more than the scripted model's 512 tokens
-        llm = scripted()
-        llm.model.config.max_position_embeddings = 2048
-        return llm
+    load = scripted_loader(
+        checkpoint, {False: CALL, True: f"{REASONING}</think>\n{ANSWER}"}, context=2048
+    )
 
     options = ServeOptions(model=str(checkpoint), api_key=KEY, sse_keepalive=0.05)
     with serve_in_thread(options, load) as url:
         client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
-        yield client, scripted.model, url
+        yield client, load.model, url
 
 
 def _script(model, text: str) -> None:

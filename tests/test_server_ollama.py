@@ -45,16 +45,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("ollama"), 2048, THINKING_CHATML)
-    scripted = scripted_loader(checkpoint, {False: ANSWER, True: f"{REASONING}</think>\n{ANSWER}"})
-
-    def load():  # the tools' system block needs more than the scripted model's 512 tokens
-        llm = scripted()
-        llm.model.config.max_position_embeddings = 2048
-        return llm
+    load = scripted_loader(
+        checkpoint, {False: ANSWER, True: f"{REASONING}</think>\n{ANSWER}"}, context=2048
+    )
 
     options = ServeOptions(model=str(checkpoint), served_model_name="tiny:latest", api_key=KEY)
     with serve_in_thread(options, load) as url:
-        yield ollama.Client(host=url, headers=AUTH), scripted.model, url
+        yield ollama.Client(host=url, headers=AUTH), load.model, url
 
 
 def _script(model, text: str) -> None:

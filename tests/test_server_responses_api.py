@@ -41,15 +41,12 @@ TOOL = {
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("responses"), 2048, THINKING_CHATML)
-    scripted = scripted_loader(checkpoint, {False: CALL, True: f"{REASONING}</think>\n{ANSWER}"})
-
-    def load():
-        llm = scripted()
-        llm.model.config.max_position_embeddings = 2048
-        return llm
+    load = scripted_loader(
+        checkpoint, {False: CALL, True: f"{REASONING}</think>\n{ANSWER}"}, context=2048
+    )
 
     with serve_in_thread(ServeOptions(model=str(checkpoint), api_key="k"), load) as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0), scripted.model, url
+        yield OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0), load.model, url
 
 
 def test_agent_loop_with_a_function_call_round_trip(served):

@@ -143,12 +143,14 @@ class ScriptedLM(DiffusionLM):
     how many denoising steps a block takes.
     """
 
-    def __init__(self, llm: LLM, answers: dict[bool, str], confidence=None) -> None:
+    def __init__(
+        self, llm: LLM, answers: dict[bool, str], confidence=None, context: int = 512
+    ) -> None:
         super().__init__()
         tok = llm.tokenizer
         self.vocab = llm.config.vocab_size
         self.config = make_config(
-            {**TINY, "vocab_size": self.vocab, "max_position_embeddings": 512,
+            {**TINY, "vocab_size": self.vocab, "max_position_embeddings": context,
              "mask_token_id": 0, "eos_token_id": tok.eos_token_id}
         )  # fmt: skip
         self.tok, self.eos = tok, tok.eos_token_id
@@ -194,12 +196,15 @@ class ScriptedLM(DiffusionLM):
         return hidden.float().log()
 
 
-def scripted_loader(checkpoint: Path, answers: dict[bool, str], confidence=None):
-    """A loader for `create_app` whose LLM's model is a `ScriptedLM` (exposed as `.model`)."""
+def scripted_loader(
+    checkpoint: Path, answers: dict[bool, str], confidence=None, context: int = 512
+):
+    """A loader for `create_app` whose LLM's model is a `ScriptedLM` (exposed as `.model`);
+    `context`: its window (a tools' system block needs more than 512 tokens)."""
 
     def load() -> LLM:
         llm = LLM(str(checkpoint), dtype="float32", progress=False)
-        llm.model = ScriptedLM(llm, answers, confidence)
+        llm.model = ScriptedLM(llm, answers, confidence, context)
         llm.config = llm.model.config
         # it tells the prompt from the answer by the row's first pass, which a prefix-cache
         # hit would skip: no prefix cache, whatever the server's options say

@@ -354,8 +354,9 @@ def remove(name: str, *, progress: bool = True) -> tuple[int, list[str]]:
     if path is None:
         raise CloverError(f"{entry.name} is not installed: nothing to remove")
     along = [e.name for e, p in installed() if e is not entry and p == path]
-    freed = sum(e.bytes for e in derived(path))
-    for e in derived(path):
+    made = derived(path)
+    freed = sum(e.bytes for e in made)
+    for e in made:
         shutil.rmtree(e.path, ignore_errors=True)
     if entry.parts:
         freed += path.stat().st_size

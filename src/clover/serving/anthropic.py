@@ -30,7 +30,7 @@ from clover.decoding.settings import specs
 from clover.engine import Completion
 from clover.serving.errors import APIError, bad_request
 from clover.serving.protocol import MAX_STOPS, Names
-from clover.serving.responses import Blocks, Call, matched_stop, pieces
+from clover.serving.responses import Blocks, Call, arguments_object, matched_stop, pieces
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 UNSUPPORTED = ("mcp_servers", "container")  # refused rather than silently dropped
@@ -295,14 +295,6 @@ def tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
-    return value if isinstance(value, dict) else {"arguments": arguments}
-
-
 def message(call: Call, chat: dict[str, Any]) -> dict[str, Any]:
     """A chat completion body (one choice) -> an Anthropic Message."""
     choice = chat["choices"][0]
@@ -316,7 +308,7 @@ def message(call: Call, chat: dict[str, Any]) -> dict[str, Any]:
         fn = tc["function"]
         content.append(
             {"type": "tool_use", "id": tool_id(tc["id"]), "name": fn["name"],
-             "input": _input(fn["arguments"])}
+             "input": arguments_object(fn["arguments"])}
         )  # fmt: skip
     completion = call.completions[0]
     reason, stop = _stop(call, completion, choice["finish_reason"])

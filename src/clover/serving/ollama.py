@@ -29,7 +29,7 @@ from typing import Any
 from clover.decoding.settings import specs
 from clover.serving.errors import APIError, bad_request
 from clover.serving.protocol import Limits, Names
-from clover.serving.responses import Blocks, Call, pieces
+from clover.serving.responses import Blocks, Call, arguments_object, pieces
 
 NAMES = Names(
     max_tokens="options.num_predict", tool="tools[{}].function", response_format="format",
@@ -179,14 +179,6 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _arguments(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    return value if isinstance(value, dict) else {"arguments": text}
-
-
 def _stats(call: Call, done_reason: str) -> dict[str, Any]:
     """The closing object's fields: counts and durations in nanoseconds, as Ollama gives."""
     c = call.completions
@@ -215,7 +207,7 @@ def message(call: Call, chat: dict[str, Any]) -> dict[str, Any]:
     if m.get("tool_calls"):
         msg["tool_calls"] = [
             {"function": {"name": tc["function"]["name"],
-                          "arguments": _arguments(tc["function"]["arguments"])}}
+                          "arguments": arguments_object(tc["function"]["arguments"])}}
             for tc in m["tool_calls"]
         ]  # fmt: skip
     head = {"model": call.model, "created_at": _now(), "message": msg}
@@ -279,7 +271,7 @@ def streamer(generate: bool):  # noqa: ANN201 (an app.respond streamer)
                             elif what == "delta":
                                 args += data
                             else:
-                                fn = {"name": name, "arguments": _arguments(args)}
+                                fn = {"name": name, "arguments": arguments_object(args)}
                                 yield line({**frame(call, calls=[{"function": fn}]), "done": False})
                         elif what == "delta":
                             part = {"thinking": data} if kind == "reasoning" else {"text": data}

@@ -387,6 +387,16 @@ class Blocks:
         return out
 
 
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A tool call's arguments (a JSON string) as the object the APIs that send objects want;
+    text that is not a JSON object is kept whole under "arguments"."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    return value if isinstance(value, dict) else {"arguments": arguments}
+
+
 def matched_stop(call: Call, c: Completion) -> str | None:
     """The stop string that ended an answer, if one did (Anthropic reports which)."""
     stops = call.settings.stop
