@@ -487,10 +487,11 @@ class GGUFEmbedding(nn.Module):
             uniq, inverse = np.unique(np.asarray(flat), return_inverse=True)
             table = self._decode(uniq)[torch.from_numpy(inverse)]
         else:
-            missing = sorted({i for i in flat if i not in self.kept})
+            missing = sorted(set(flat) - self.kept.keys())
+            if missing and len(self.kept) + len(missing) > self.KEEP:
+                self.kept.clear()  # all of this lookup's rows are decoded again
+                missing = sorted(set(flat))
             if missing:
-                if len(self.kept) + len(missing) > self.KEEP:
-                    self.kept.clear()
                 for i, row in zip(missing, self._decode(np.asarray(missing))):
                     self.kept[i] = row
             table = torch.stack([self.kept[i] for i in flat]) if flat else torch.empty(
