@@ -411,7 +411,7 @@ def test_quality_keeps_each_settings_store_to_its_own_answers(llm):
 def test_quality_times_the_pass_costs_before_any_setting(llm, monkeypatch, tmp_path):
     """A first cost measurement (~7 s on the coder 0.5B) must not land in the seconds of the
     first adaptive self_spec setting: run_quality measures the tables before it times."""
-    from clover.decoding import costs
+    from clover.decoding import timing as costs
 
     events = []
     real_measure, real_stream = costs.measure, llm.stream

@@ -2,7 +2,8 @@
 
 import json
 
-from clover.decoding.costs import Acceptance, PassCosts, best_length, cached_costs
+from clover.decoding.costs import Acceptance, PassCosts, batch_length, best_length
+from clover.decoding.timing import cached_costs
 from tests.conftest import tiny_model
 
 
@@ -29,6 +30,34 @@ def test_draft_length_follows_costs_and_acceptance():
     assert best_length([0.5] * 15, slow_drafter, 15, drafter=True) == 0
 
 
+def test_batched_costs_interpolate_in_rows():
+    c = PassCosts({1: 10.0, 2: 11.0}, {2: 1.0}, {2: {1: 12.0, 2: 14.0}, 8: {1: 30.0, 2: 60.0}},
+                  {2: {2: 1.5}, 8: {2: 3.0}})  # fmt: skip
+    assert c.verify_batch(1, 2) == 11.0 and c.verify_batch(2, 2) == 14.0
+    assert c.verify_batch(5, 1) == 21.0  # halfway between 2 and 8 rows
+    assert c.verify_batch(16, 2) == 120.0  # past the last batch: proportional
+    assert c.draft_batch(2, 0) == 0.0 and c.draft_batch(8, 1) == 3.0
+
+
+def test_a_batch_drafts_only_where_its_wider_pass_pays():
+    """The common draft length of a batch: drafts that keep well pay at 2 rows, where a pass of
+    2 tokens a row costs little more than 1; at 8 rows a pass twice as wide costs twice as much
+    (the 1.5B coder's shape on 2 cores), so the batch runs `ar`'s steps."""
+    c = PassCosts({1: 40.0, 2: 42.0, 3: 45.0}, {2: 2.0, 3: 4.0},
+                  {2: {1: 42.0, 2: 48.0, 3: 56.0}, 8: {1: 141.0, 2: 280.0, 3: 420.0}},
+                  {2: {2: 2.5, 3: 5.0}, 8: {2: 4.0, 3: 8.0}})  # fmt: skip
+    good = [0.8, 0.7]
+    assert batch_length([good, good], 0, c, 2) == 2
+    assert batch_length([good] * 8, 0, c, 2) == 0
+    assert batch_length([[0.1, 0.1]] * 2, 0, c, 2) == 0  # drafts that lose: none
+    # one drafting row among riders that make a token a pass whatever the width: its gain is
+    # spread over a pass every rider widens too
+    assert batch_length([good], 1, c, 2) == 1 and batch_length([good], 7, c, 2) == 0
+    unmeasured = PassCosts(c.verify_ms, c.draft_ms)  # no batched table: batches do not draft
+    assert batch_length([good, good], 0, unmeasured, 2) == 0
+    assert batch_length([good], 0, unmeasured, 2) == best_length(good, unmeasured, 2, True)
+
+
 def test_acceptance_learns_and_drifts_back():
     a = Acceptance(4, prior=0.6, rate=0.5, drift=0.1)
     for _ in range(10):
@@ -48,11 +77,12 @@ def test_costs_measured_once_and_cached(tmp_path, monkeypatch):
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1 and set(first.verify_ms) >= {1, 2, 4, 8}
     assert all(v > 0 for v in first.verify_ms.values())
+    assert set(first.rows_ms) == {2, 4, 8} and set(first.rows_ms[8]) == {1, 2, 3, 4, 5}
     data = json.loads(files[0].read_text())
     data["verify_ms"] = {"1": 1.0, "2": 2.0}
     files[0].write_text(json.dumps(data))
     again = cached_costs(model, "float32")  # read back, not measured again
-    assert again.verify_ms == {1: 1.0, 2: 2.0}
+    assert again.verify_ms == {1: 1.0, 2: 2.0} and again.rows_ms == first.rows_ms
     assert cached_costs(model, "int4").verify_ms != again.verify_ms  # another key
     # other kernels (a new build of their sources): measured again
     from clover import kernels

@@ -17,7 +17,7 @@ least 128 MB, since a model that fits in its share of L3 reads at the cache's ra
 one streams from DRAM, which is slower), and PyTorch's bf16 and float32 matmuls. The matmul
 peak is the better of the two: a CPU without bfloat16 arithmetic multiplies bf16 so slowly
 that every weight bound would become a compute bound. The integer dots of short passes may
-beat the float peak. The timing of one pass is `decoding.costs.pass_costs`, which the decode
+beat the float peak. The timing of one pass is `decoding.timing.pass_costs`, which the decode
 loop's draft lengths use too.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from clover.decoding.costs import pass_costs
+from clover.decoding.timing import pass_costs
 from clover.kernels.qgemm import QWeight
 from clover.quant import Int4Linear, Int8Linear
 

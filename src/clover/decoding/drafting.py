@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from clover.decoding.costs import batch_length
 from clover.decoding.sampling import draw_drafts
 from clover.decoding.trees import PAD, branch, floor, leaf_tree, likeliest
 from clover.models.cache import ModelCache
@@ -146,13 +147,10 @@ class DrafterRunner:
         rows: the batch's rows (a SpecRow drafts with `uses_drafter`)."""
         drafting = [getattr(r, "uses_drafter", False) for r in rows]
         kept = torch.where(torch.tensor(drafting), kept, 0)
-        # in a batch every row's pass is padded to the widest: a row whose draft lengths follow
-        # the measured costs drafts only while it runs alone, since its drafts would widen every
-        # row's pass and the batch would run slower than `ar`; fixed-length rows always draft
-        alone = len(keep) == 1
-        lengths = [r.drafter_length() if d and k in keep and (alone or r.sources.costs is None)
-                   else 0
+        lengths = [r.drafter_length() if d and k in keep else 0
                    for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
+        if len(keep) > 1:
+            lengths = self._batch_lengths(rows, lengths, len(keep))
         # only the rows that draft now take their features into the drafter's context
         self.commit(features, kept, [n > 0 for n in lengths])
         if max(lengths) == 0:
@@ -167,6 +165,24 @@ class DrafterRunner:
             if max(lengths) == 0:
                 return
         self._draft_chains(rows, first, lengths, trees, mask_id)
+
+    @staticmethod
+    def _batch_lengths(rows: list, lengths: list[int], running: int) -> list[int]:
+        """In a batch every row's pass is padded to the widest, so the rows whose lengths follow
+        the measured costs draft one common length, the one the costs of batched passes say
+        pays most for the batch as a whole (`costs.batch_length`; often none: at 8 rows a
+        wider pass costs nearly its width in AR steps). Fixed-length rows keep theirs."""
+        adaptive = [b for b, (r, n) in enumerate(zip(rows, lengths))
+                    if n and r.sources.costs is not None]  # fmt: skip
+        if not adaptive:
+            return lengths
+        sources = [rows[b].sources for b in adaptive]
+        k = batch_length([s.acceptance["drafter"].p for s in sources], running - len(adaptive),
+                         sources[0].costs, max(lengths[b] for b in adaptive))  # fmt: skip
+        out = list(lengths)
+        for b in adaptive:
+            out[b] = min(k, lengths[b])
+        return out
 
     def _grow_trees(self, rows: list, first: torch.Tensor, lengths: list[int],
                     trees: list[bool], mask_id: int | None) -> None:  # fmt: skip

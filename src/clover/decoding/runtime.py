@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from clover.decoding.costs import Acceptance, PassCosts, model_costs
+from clover.decoding.costs import Acceptance, PassCosts
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.store import NgramStore
+from clover.decoding.timing import model_costs
 from clover.models.base import DiffusionLM
 from clover.models.drafter import Drafter
 
@@ -41,7 +42,7 @@ class Runtime:
 
     def pass_costs(self, drafter: bool = False) -> PassCosts:
         """This machine's pass costs for the model (with its drafter's passes when `drafter`),
-        measured once per machine and kept (`costs.model_costs`)."""
+        measured once per machine and kept (`timing.model_costs`)."""
         if drafter not in self._costs:
             self._costs[drafter] = model_costs(self.model, self.drafter if drafter else None)
         return self._costs[drafter]
