@@ -24,6 +24,7 @@ from clover.bench.common import (
     write_results,
 )
 from clover.bench.gpu import format_gpu, time_passes
+from clover.bench.llama_server import LlamaServerEngine, is_server_peer, server_flags
 from clover.bench.load import format_load, run_load
 from clover.bench.passes import format_passes, run_passes
 from clover.bench.quality import run_quality
@@ -41,7 +42,8 @@ from clover.bench.speed import (
     run_speed,
 )
 from clover.checkpoints import BASE_MODEL, DEFAULT_MODEL
-from clover.data.bench_prompts import SPEED_PROMPTS
+from clover.checkpoints.registry import resolve
+from clover.data.bench_prompts import OPEN_CODE_PROMPTS, SPEED_PROMPTS
 from clover.data.suite import load_suite
 from clover.decoding.policies import Source, draft_sources
 from clover.engine import LLM
@@ -93,16 +95,29 @@ def _store_record(llm: LLM) -> dict | None:
     return None if store is None else store.describe()
 
 
+PROMPT_SETS = {"speed": SPEED_PROMPTS, "code": OPEN_CODE_PROMPTS}
+
+
 def cmd_speed(a: argparse.Namespace) -> int:
 
     machine_record = machine()  # before our own load: the load average says what else runs
     if a.quick:
         a.tokens, a.reps, a.prompts = a.tokens or 32, a.reps or 1, a.prompts or 1
         a.dtypes = a.dtypes or "auto"
-    tokens, reps, n_prompts = a.tokens or 128, a.reps or 3, a.prompts or len(SPEED_PROMPTS)
+    texts = PROMPT_SETS[a.prompt_set]
+    tokens, reps, n_prompts = a.tokens or 128, a.reps or 3, a.prompts or len(texts)
     configs = parse_configs(a.configs or DEFAULT_CONFIGS)  # checked before any load
     batches = sorted({int(b) for b in a.batch.split(",")})
     peers = {p.strip() for p in a.peers.split(",") if p.strip()}
+    servers = sorted(p for p in peers if is_server_peer(p))
+    unknown = peers - set(servers) - {"transformers", "llama.cpp"}
+    if unknown:
+        raise CloverError(
+            f"unknown peers {sorted(unknown)}: transformers, llama.cpp, "
+            "llama-server[:ngram-mod|:ngram-simple|:draft=MODEL|:dflash=FILE]"
+        )
+    # checked before any load too: a bad kind or a missing draft file fails now
+    server_specs = [server_flags(p, lambda m: resolve(m, progress=False).path) for p in servers]
     notes: list[str] = []
     llms: dict[str, object] = {}
     for dt in (a.dtypes or "auto,float32").split(","):
@@ -132,9 +147,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
         if peers:
             notes.append(f"peers skipped: they run on the CPU here, our rows on {device}")
         peers, a.no_rss = set(), True
-    prompts = [
-        first.chat_prompt([{"role": "user", "content": p}]) for p in SPEED_PROMPTS[:n_prompts]
-    ]
+    prompts = [first.chat_prompt([{"role": "user", "content": p}]) for p in texts[:n_prompts]]
     ours = list(llms.values()) + compiled
     engines: list[object] = [CloverEngine(llm, c) for llm in ours for c in configs]
     gguf = first.resolved.path if first.resolved and first.resolved.kind == "gguf" else None
@@ -157,12 +170,25 @@ def cmd_speed(a: argparse.Namespace) -> int:
         else:
             notes.append(LLAMACPP_MISSING)
             _log(LLAMACPP_MISSING)
+    peer_runs = {}
+    if gguf is not None and server_specs:
+        for label, flags in server_specs:
+            _log(f"starting llama-server {label}")
+            e = LlamaServerEngine(gguf, gguf_type, torch.get_num_threads(), label, flags)
+            engines.append(e)
+            peer_runs[e.name] = e.describe()
     if any(b > 1 for b in batches) and any(e.engine == "llama.cpp" for e in engines):
-        notes.append("llama.cpp runs batch 1 only: llama-cpp-python's Llama has no batching")
+        notes.append("llama.cpp rows run batch 1 only")
     _log(f"{len(engines)} rows x {len(prompts)} prompts x {reps} reps, batches {batches}")
-    rows = run_speed(engines, prompts, tokens=tokens, reps=reps, batches=batches, log=_log)
-    add_ratios(rows)
     rss: dict[str, float | None] = {}
+    try:
+        rows = run_speed(engines, prompts, tokens=tokens, reps=reps, batches=batches, log=_log)
+    finally:
+        for e in engines:
+            if isinstance(e, LlamaServerEngine):
+                rss[e.name] = e.peak_rss_mb()  # the server's own high-water mark
+                e.close()
+    add_ratios(rows)
     if not a.no_rss:
         base = dict(model=a.model, prompts=prompts, tokens=tokens, batch=max(batches),
                     adapter=a.adapter, drafter=a.drafter)  # fmt: skip
@@ -176,7 +202,7 @@ def cmd_speed(a: argparse.Namespace) -> int:
                 configs=[c.name for c in configs],
             )
         for e in engines:
-            if e.engine != "clover":
+            if e.engine != "clover" and not isinstance(e, LlamaServerEngine):
                 specs[e.name] = dict(engine=e.engine, precision=e.precision)
         for name, spec in specs.items():
             _log(f"peak RSS probe: {name}")
@@ -185,6 +211,8 @@ def cmd_speed(a: argparse.Namespace) -> int:
             ours_row = row["engine"] == "clover"
             key = _our_rss_key(row["precision"], row.get("compiled", False)) if ours_row else name
             row["peak_rss_mb"] = rss.get(key)
+    for name in peer_runs:  # read from the server itself, probes or not
+        rows[name]["peak_rss_mb"] = rss.get(name)
     report = {
         "benchmark": "clover bench speed",
         "quick": bool(a.quick),
@@ -207,7 +235,9 @@ def cmd_speed(a: argparse.Namespace) -> int:
             + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
             "tokens_per_row": tokens,
             "reps": reps,
-            "prompts": SPEED_PROMPTS[:n_prompts],
+            "prompt_set": a.prompt_set,
+            "prompts": texts[:n_prompts],
+            "llama_server": peer_runs,
             "prompt_tokens": [len(p) for p in prompts],
             "batches": batches,
             "greedy": True,
@@ -405,7 +435,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "decoding (default: ar, low_confidence 8/16/32 x 0.9/0.95, self_spec 4/8, "
                    "self_spec:4:lookup, default)")  # fmt: skip
     s.add_argument("--dtypes", help="our precisions, comma list (default auto,float32)")
-    s.add_argument("--peers", default="transformers,llama.cpp", help="'' for none")
+    s.add_argument("--peers", default="transformers,llama.cpp",
+                   help="'' for none; llama-server[:ngram-mod|:ngram-simple|:draft=MODEL|"
+                   ":dflash=FILE.gguf] runs llama.cpp's server, with its speculation")  # fmt: skip
+    s.add_argument("--prompt-set", choices=sorted(PROMPT_SETS), default="speed",
+                   help="speed: four open-ended answers; code: ten coding requests that "
+                   "do not quote their answer")  # fmt: skip
     s.add_argument("--tokens", type=int, help="output tokens per row (128; quick 32)")
     s.add_argument("--reps", type=int, help="repetitions (3; quick 1)")
     s.add_argument("--prompts", type=int, help="how many of the built-in prompts (4; quick 1)")

@@ -313,16 +313,20 @@ def run_speed(
                 "output_tokens_per_row": tokens,
             }
             accepted = [a for r in runs for a in r.accepted]
-            if accepted:  # self_spec: what each verify pass kept (DFlash's acceptance length)
-                drafts: dict = {}
-                for r in runs:
-                    for source, (d, k) in r.drafts.items():
-                        t = drafts.setdefault(source, [0, 0])
-                        t[0], t[1] = t[0] + d, t[1] + k
+            drafts: dict = {}
+            for r in runs:
+                for source, (d, k) in r.drafts.items():
+                    t = drafts.setdefault(source, [0, 0])
+                    t[0], t[1] = t[0] + d, t[1] + k
+            if accepted or drafts:  # what each verify pass kept (DFlash's acceptance length)
+                # a peer reports totals only: its passes are its NFE
+                passes = verify_passes(accepted) if accepted else {}
                 row["batch"][str(batch)]["speculation"] = {
-                    **verify_passes(accepted),
+                    **passes,
                     "drafted_kept_by_source": drafts,
-                }
+                    "kept_fraction": round(sum(k for _, k in drafts.values())
+                                           / max(1, sum(d for d, _ in drafts.values())), 3),
+                }  # fmt: skip
     _agreement(out, times, engines)
     return out
 

@@ -16,6 +16,29 @@ SPEED_PROMPTS = [
     "Describe the water cycle in a few sentences.",
 ]
 
+# `clover bench speed --prompt-set open_code`: ten kinds of coding request that do not quote
+# their answer (no signature or docstring to copy), one prompt each; no drafter trains on them
+# (self prompts asking one are dropped, the templates hold none of them: tests/test_distill.py)
+OPEN_CODE_PROMPTS = [
+    "Write a Python class for a bank account with deposit, withdraw and a transaction history.",
+    "Write a Python function that checks whether a string is a valid IPv4 address.",
+    "Write a JavaScript function that debounces another function, with a short usage example.",
+    "Write pytest unit tests for a function slugify(text) that lowercases text and joins its "
+    "words with hyphens.",
+    "Write a SQL query that finds the three customers with the highest total order value, "
+    "given tables customers(id, name) and orders(id, customer_id, amount).",
+    "Write a bash script that backs up a directory into a dated tar.gz archive and deletes "
+    "archives older than seven days.",
+    "Refactor this Python code to be more readable:\n\ndef f(l):\n    r=[]\n    for i in "
+    "range(len(l)):\n        if l[i]%2==0 and l[i]>10: r.append(l[i]*2)\n    return r",
+    "Write a Python command-line tool with argparse that counts the words, lines and characters "
+    "of a file.",
+    "Write a TypeScript interface for a blog post and a function that sorts posts by date, "
+    "newest first.",
+    "Explain what this Python error means and how to fix it: TypeError: 'NoneType' object is "
+    "not subscriptable.",
+]
+
 # `clover bench load`: the one answer whose peak memory is reported, ours and llama.cpp's
 LOAD_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
