@@ -1,7 +1,7 @@
 import json
 import re
 
-from clover.data.bench_prompts import SPEED_PROMPTS
+from clover.data.bench_prompts import OPEN_CODE_PROMPTS, SPEED_PROMPTS
 from clover.data.distill import distill, done_ids, load_examples
 from clover.data.prompts import KINDS, PROMPT_SET_VERSION, prompt_set
 from clover.data.suite import load_suite
@@ -26,7 +26,7 @@ def test_prompt_set_keeps_clear_of_the_benchmarks_items():
     is in the set (the set once held 'What is the capital of France?' and the suite's code
     tasks in other words)."""
     suite = [item["prompt"] for item in load_suite()]
-    benchmark = suite + SPEED_PROMPTS
+    benchmark = suite + SPEED_PROMPTS + OPEN_CODE_PROMPTS
     # the question part of each item, without its format suffix ("Answer in one word.")
     questions = {re.split(r"(?<=[?.])\s", p)[0].lower() for p in benchmark}
     names = {m for p in suite for m in re.findall(r"`(\w+)\(", p)}

@@ -285,7 +285,8 @@ def test_export_in_the_speculators_format(tmp_path):
     assert main(["export", str(path), str(tmp_path / "spec")]) == 0
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
-    assert config["aux_hidden_state_layer_ids"] == [0, 1] and config["block_size"] == 4
+    # feature layers 0 and 1 (their outputs) named by the layers whose input they are
+    assert config["aux_hidden_state_layer_ids"] == [1, 2] and config["block_size"] == 4
     spec = config["speculators_config"]
     assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
     assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3}]
@@ -401,10 +402,12 @@ def test_drafter_passes_only_where_no_context_match_drafts(monkeypatch):
     assert taken[0] > 0 and taken[0] == verified[0]
 
 
-def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
-    """Rows whose draft lengths follow the measured costs take drafter drafts only while they
-    run alone: in a batch each draft widens every row's pass. With costs that make drafting
-    pay, one row drafts; three rows together do not; answers stay ar's either way."""
+def test_adaptive_rows_draft_in_a_batch_only_where_batched_passes_pay(monkeypatch):
+    """Rows whose draft lengths follow the measured costs take drafter drafts in a batch only
+    where the batched passes' costs say a common length pays: each draft widens every row's
+    pass. With costs that make drafting pay alone, one row drafts; three rows together do not
+    while batched passes cost their width, and do where they are nearly free; answers stay
+    ar's every time."""
     from clover.decoding.costs import PassCosts
     from clover.decoding.policies import SelfSpec
     from clover.decoding.runtime import Runtime
@@ -419,6 +422,17 @@ def test_adaptive_rows_draft_from_the_drafter_only_alone(monkeypatch):
     assert one[0].tokens == ar[0].tokens and [r.tokens for r in many] == [r.tokens for r in ar]
     assert one[0].drafts.get("drafter", [0])[0] > 0
     assert all("drafter" not in r.drafts for r in many)
+    rows = {n: {w: 10.0 * n * w for w in range(1, 6)} for n in (2, 4, 8)}  # width costs all
+    monkeypatch.setattr(Runtime, "pass_costs", lambda self, drafter=False: PassCosts(
+        free.verify_ms, free.draft_ms, rows, {}))  # fmt: skip
+    assert all("drafter" not in r.drafts for r in decoded(model, prompts, policy, 16))
+    cheap = {n: {w: 10.0 + 0.1 * n * w for w in range(1, 6)} for n in (2, 4, 8)}
+    monkeypatch.setattr(Runtime, "pass_costs", lambda self, drafter=False: PassCosts(
+        free.verify_ms, free.draft_ms, cheap, {}))  # fmt: skip
+    batched = decoded(model, prompts, policy, 16)
+    assert [r.tokens for r in batched] == [r.tokens for r in ar]
+    assert sum(r.drafts.get("drafter", [0])[0] > 0 for r in batched) >= 2
+    monkeypatch.setattr(Runtime, "pass_costs", lambda self, drafter=False: free)
     # rows that never draft never pay the drafter's context pass (their prompts, prefilled by
     # the batch's first step, included)
     from clover.models.drafter import Drafter
@@ -607,6 +621,8 @@ def test_drafter_training_from_a_drafter_file_and_on_the_first_positions(tiny_ch
     again = drafter_config(tiny_checkpoint, data, tmp_path / "b", steps=2, layers=1, lr=0.0,
                            feature_layers=[0], init=str(first), draft_vocab=0)  # fmt: skip
     train_drafter(again, progress=False)
+    start = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0 and "first_token" in start["heldout"]  # the file, measured first
     a, b = load_drafter(first), load_drafter(tmp_path / "b" / "drafter.safetensors")
     for name, t in a.state_dict().items():
         assert torch.equal(t, b.state_dict()[name]), name
@@ -942,12 +958,18 @@ def test_drafter_curve_chains_a_continued_run(tmp_path):
         lines[-1]["heldout"] = {"accepted": 0.75}
         lines[-1]["heldout_kinds"] = {"accepted": 0.25}
         lines.insert(50, dict(lines[45]))  # a resumed run repeats steps after its checkpoint
+        if init != "random":  # a run from a file measures the file first
+            lines.insert(0, {"step": 0, "heldout": {"accepted": 0.7, "first_token": 0.6},
+                             "heldout_kinds": {"accepted": 0.2}})  # fmt: skip
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = curve([tmp_path / "a", tmp_path / "b"])
     assert out["steps"] == 400 and out["minutes"] == round((1000 + 700) / 60, 1)
     assert [r["seconds_before_first_step"] for r in out["runs"]] == [600, 300]
-    assert [e["step"] for e in out["evals"]] == [100, 200, 300, 400]
+    assert [e["step"] for e in out["evals"]] == [100, 200, 200, 300, 400]
     assert out["evals"][-1]["heldout_kinds"] == 0.25 and out["evals"][1]["heldout"] == 0.75
+    start = out["evals"][2]
+    assert start["start"] and start["heldout_first_token"] == 0.6 and start["run"] == 1
+    assert start["minutes"] == round(1000 / 60, 1)
     assert len(out["loss_by_100_steps"]) == 4
     with pytest.raises(CloverError, match="not a drafter run"):
         curve([tmp_path / "none"])

@@ -16,6 +16,9 @@ def test_an_attempt_is_dropped_for_a_reason():
     assert sp.dropped("Erkläre das Wetter " + "ü" * 12, True, seen, banned) == "not ascii"
     assert sp.dropped("Describe  a River.", True, seen, banned) == "repeat"
     assert sp.dropped("What is the capital of France? Be brief.", True, seen, banned) == "benchmark"
+    # `clover bench speed --prompt-set code`'s requests, however they go on
+    ipv4 = "Write a Python function that checks whether a string is a valid IPv4 address. In Go."
+    assert sp.dropped(ipv4, True, seen, banned) == "benchmark"
 
 
 def test_an_unfinished_attempt_keeps_a_whole_first_request():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from clover.data.bench_prompts import SPEED_PROMPTS
+from clover.data.bench_prompts import OPEN_CODE_PROMPTS, SPEED_PROMPTS
 from clover.data.prompts import prompt_id, split_of
 from clover.data.suite import default_suite_path, load_suite
 from clover.decoding.loop import BatchDecoder
@@ -35,7 +35,7 @@ from clover.engine import LLM, GenerationSettings
 from clover.errors import CloverError
 from clover.files import truncate_torn_tail
 
-VERSION = 1  # bumped when the openings or the filters change what a seed gives
+VERSION = 2  # bumped when the openings or the filters change what a seed gives
 
 STARTERS = [
     "Write", "Explain", "Describe", "What is", "How do I", "Give me", "Why", "Tell me about",
@@ -45,6 +45,13 @@ STARTERS = [
     "How can I", "Write a story", "Describe a", "What should I", "Is it", "Fix", "Rewrite",
     "Write a poem", "Give an example of", "How many", "What would", "Convert", "Plan",
     "Recommend", "Name",
+    # coding requests in many forms: a coder model's users ask for these most
+    "Write a JavaScript function", "Write a TypeScript", "Write a SQL query", "Write a bash script",
+    "Write unit tests for", "Refactor", "Write a Python class", "Implement", "Debug",
+    "Write a regular expression", "Write a Go function", "Write a Rust function",
+    "Add type hints to", "Write a docstring for", "Write a Dockerfile", "Write a React component",
+    "What does this error mean:", "Optimize", "Write a Python script", "Write a C function",
+    "Write an HTML page", "Write a YAML", "Review this code:", "Convert this Python code to",
 ]  # fmt: skip
 
 _SPACE = re.compile(r"\s+")
@@ -60,11 +67,12 @@ def _first_sentence(text: str) -> str:
 
 
 def benchmark_questions() -> set[str]:
-    """First sentences (normalised) of the quality suite's and the speed bench's prompts: a
+    """First sentences (normalised) of the quality suite's and the speed bench's prompts (both
+    its sets): a
     self prompt that asks one of them is dropped, so acceptance measured there stays measured
     on prompts no drafter trained on."""
 
-    out = {_first_sentence(p) for p in SPEED_PROMPTS}
+    out = {_first_sentence(p) for p in [*SPEED_PROMPTS, *OPEN_CODE_PROMPTS]}
     if default_suite_path().is_file():
         out |= {_first_sentence(it["prompt"]) for it in load_suite()}
     out.discard("")

@@ -49,6 +49,14 @@ def curve(paths: list[Path]) -> dict:
         config, metrics = read_run(path)
         # a run resumed after a stop appends to the same file: keep its last pass over each step
         by_step = {m["step"]: m for m in metrics}
+        # step 0: a drafter trained before, measured on this run's data before its first step
+        start = by_step.pop(0, None)
+        if start is not None and "heldout" in start:
+            evals.append({"step": step0, "minutes": round(minutes0, 1), "run": len(runs),
+                          "heldout": start["heldout"].get("accepted"),
+                          "heldout_first_token": start["heldout"].get("first_token"),
+                          "heldout_kinds": (start.get("heldout_kinds") or {}).get("accepted"),
+                          "start": True})  # fmt: skip
         metrics = [by_step[s] for s in sorted(by_step)]
         gaps = [b["seconds"] - a["seconds"] for a, b in zip(metrics, metrics[1:])]
         per_step = statistics.median(gaps) if gaps else 0.0
@@ -72,6 +80,7 @@ def curve(paths: list[Path]) -> dict:
                     "minutes": round(minutes0 + m["seconds"] / 60, 1),
                     "run": len(runs) - 1,
                     "heldout": m["heldout"].get("accepted"),
+                    "heldout_first_token": m["heldout"].get("first_token"),
                     "heldout_kinds": (m.get("heldout_kinds") or {}).get("accepted"),
                 })  # fmt: skip
         loss += means_by(metrics, "loss")

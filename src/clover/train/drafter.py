@@ -619,6 +619,14 @@ def _train_drafter(cfg: DrafterTrainConfig, target: torch.nn.Module, out: Path, 
         warm_cache(target, train + heldout + unseen, drafter.config.feature_layers, cfg.max_len,
                    features, progress=progress, keep=keep, dtype=cfg.target_dtype)  # fmt: skip
     last: dict = {}
+    if step == 0 and stop_at > 0 and cfg.init not in ("random", "target"):
+        # where a drafter trained before starts on this data: the curve's first point
+        start_point = {"step": 0, "heldout": evaluate(drafter, target, head, heldout, cfg, rows,
+                                                      features),
+                       "heldout_kinds": evaluate(drafter, target, head, unseen, cfg, rows,
+                                                 features)}  # fmt: skip
+        metrics.write(json.dumps(start_point) + "\n")
+        metrics.flush()
     while step < stop_at:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
