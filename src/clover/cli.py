@@ -17,6 +17,7 @@ from pathlib import Path
 
 from clover import __version__, kernels
 from clover.bench.cli import add_bench_parser
+from clover.bench.load import llamacpp_bin
 from clover.checkpoints import PRESETS, cache, model_config, pull, resolve
 from clover.checkpoints.hf_dir import check_dir
 from clover.checkpoints.local import LocalModel, gguf_quant, hub_cache, hub_models, hub_ref
@@ -27,6 +28,7 @@ from clover.engine import LLM, Completion, GenerationSettings
 from clover.errors import CloverError
 from clover.files import read_header
 from clover.hf.export import export
+from clover.hf.llamacpp import export_llamacpp
 from clover.models import make_config
 from clover.models.base import ConfigMixin
 from clover.models.clover import preset_config
@@ -463,9 +465,32 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     return 0 if kernels.status()["on"] else 1
 
 
+def _export_llamacpp(a: argparse.Namespace) -> int:
+    """A drafter file -> llama.cpp's DFlash draft (`clover.hf.llamacpp`), converted to GGUF
+    with the converter of the llama.cpp tree scripts/build_llamacpp.sh fetched, if any."""
+    bin_dir = llamacpp_bin()  # <root>/build/bin; the sources are in <root>/src
+    src = bin_dir.parent.parent / "src" if bin_dir is not None else None
+    result = export_llamacpp(Path(a.model), Path(a.out_dir), src, dtype=a.dtype, force=a.force)
+    if result.gguf is None:
+        if result.missing:
+            why = f"needs {', '.join(result.missing)} (pip install {' '.join(result.missing)})"
+        else:  # the tree scripts/build_llamacpp.sh fetches holds it
+            why = f"not found{f' in {src}' if src else ''} (bash scripts/build_llamacpp.sh)"
+        print(f"llama.cpp's converter {why}; convert later with:", file=sys.stderr)
+        print(f"  {result.convert_line()}", file=sys.stderr)
+    print(result.gguf or result.out)
+    print(f"run it with: {result.run_line()}", file=sys.stderr)
+    return 0
+
+
 def cmd_export(a: argparse.Namespace) -> int:
 
-    if a.model.endswith(".safetensors") and Path(a.model).is_file():
+    is_drafter = a.model.endswith(".safetensors") and Path(a.model).is_file()
+    if a.format == "llama.cpp":
+        if not is_drafter:
+            raise CloverError("--format llama.cpp writes drafter files (clover train drafter)")
+        return _export_llamacpp(a)
+    if is_drafter:
         config = read_drafter_config(Path(a.model))  # a drafter: the speculators format
         arch = a.verifier_arch or ["LlamaForCausalLM"]
         print(export_speculators(Path(a.model), Path(a.out_dir), arch, force=a.force))
@@ -749,6 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out_dir", help="directory to write (must be empty unless --force)")
     e.add_argument("--verifier-arch", action="append",
                    help="a drafter's verifier architecture (default LlamaForCausalLM)")  # fmt: skip
+    e.add_argument("--format", default="speculators", choices=["speculators", "llama.cpp"],
+                   help="a drafter's format: speculators (vLLM), or llama.cpp's DFlash draft "
+                   "(OUT/drafter.gguf for --spec-type draft-dflash)")  # fmt: skip
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     e.set_defaults(func=cmd_export)

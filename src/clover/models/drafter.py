@@ -538,15 +538,39 @@ def load_drafter(
     return drafter.eval()
 
 
-# --- the speculators format (vLLM's drafter checkpoints) ------------------------------------
+# --- the speculators format (vLLM's drafter checkpoints) and llama.cpp's DFlash drafts -------
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written (the package's release we follow)
+# `aux_hidden_state_layer_ids` name the layer whose *input* is read, as llama.cpp's converter
+# reads that schema (it takes id - 1 as the layer whose output is read): our feature layer i
+# (its output) is written as i + 1, the input of the layer after it
+INPUT_OF_NEXT = 1
+
+
+def layer_config(c: DrafterConfig) -> dict:
+    """The drafter's layers as the keys of an HF decoder config (both formats share them)."""
+    return {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
 
 
 def speculators_config(drafter: Drafter, verifier_architectures: list[str]) -> dict:
     """config.json of a `speculators` DFlash checkpoint for this drafter: the drafter's
     layers as a llama decoder-layer config, the target's feature layers as
-    `aux_hidden_state_layer_ids`, greedy proposals of block_size - 1 tokens."""
+    `aux_hidden_state_layer_ids` (the layers whose input is read: `INPUT_OF_NEXT`), greedy
+    proposals of block_size - 1 tokens."""
     c = drafter.config
     return {
         "architectures": ["DFlashSpeculator"],
@@ -555,25 +579,10 @@ def speculators_config(drafter: Drafter, verifier_architectures: list[str]) -> d
         "block_size": c.block_size,
         "draft_vocab_size": c.vocab_size,
         "target_hidden_size": c.hidden_size,
-        "aux_hidden_state_layer_ids": list(c.feature_layers),
+        "aux_hidden_state_layer_ids": [i + INPUT_OF_NEXT for i in c.feature_layers],
         "mask_token_id": c.mask_token_id,
         "tie_word_embeddings": False,
-        "transformer_layer_config": {
-            "model_type": "llama",
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta,
-            "max_position_embeddings": c.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-        },
+        "transformer_layer_config": {"model_type": "llama", **layer_config(c)},
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [
@@ -593,6 +602,46 @@ def speculators_state(drafter: Drafter) -> dict[str, torch.Tensor]:
     for name, t in drafter.state_dict().items():
         out[name.replace("fc_norm.", "hidden_norm.")] = t
     return out
+
+
+def dflash_config(drafter: Drafter) -> dict:
+    """config.json that llama.cpp's converter (convert_hf_to_gguf.py) reads as a DFlash draft.
+    Its `target_layer_ids` name the layers whose output is read, as our feature layers do (the
+    converter writes id + 1 to the GGUF, the input of the next layer, which its runtime reads).
+    With a draft vocabulary it is a DSpark name: only that class takes `lm_head` + `d2t` (the
+    head's rows and their ids); its block is DFlash's ([token, MASK...], drafts read from
+    positions >= 1: `sample_from_anchor` false) and, with no Markov head, it runs as one."""
+    c = drafter.config
+    keys = {
+        "target_layer_ids": list(c.feature_layers),
+        "mask_token_id": c.mask_token_id,
+        "block_size": c.block_size,
+    }
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **layer_config(c),
+        "tie_word_embeddings": False,
+        "block_size": c.block_size,
+        "dflash_config": keys,
+    }
+    if c.draft_vocab:  # the DSpark class reads these keys at the top level
+        config.update(keys, architectures=["DSparkDraftModel"], draft_vocab_size=c.draft_vocab,
+                      sample_from_anchor=False)  # fmt: skip
+    return config
+
+
+def dflash_state(drafter: Drafter, head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of `dflash_config`'s checkpoint: the speculators names, and with a draft
+    vocabulary `lm_head.weight` = head [n_sub, D] (the target head's rows at its ids) and
+    `d2t` [n_sub] int64 (each id less its row: the converter adds the row back)."""
+    state = speculators_state(drafter)
+    if drafter.vocab is not None:
+        if head is None or head.shape != (len(drafter.vocab), drafter.config.hidden_size):
+            raise CloverError("a draft vocabulary exports with the target head's rows at its ids")
+        state["lm_head.weight"] = head
+        state["d2t"] = drafter.vocab.to(torch.int64) - torch.arange(len(drafter.vocab))
+    return state
 
 
 def export_speculators(drafter_file: Path, out_dir: Path, verifier_architectures: list[str],
