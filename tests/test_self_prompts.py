@@ -86,6 +86,6 @@ def test_distill_answers_self_written_prompts(tiny_checkpoint, tmp_path, monkeyp
     prompts = sp.to_records(sp.read_attempts(out / "self_prompts.jsonl"))
     assert sorted(r["id"] for r in load_examples(out)) == sorted(r["id"] for r in prompts)
     assert read_meta(out)["prompt_set"] == f"self-{sp.VERSION}"
-    with pytest.raises(CloverError, match="prompt_set 'self-1' -> 3"):
+    with pytest.raises(CloverError, match=f"prompt_set 'self-{sp.VERSION}' -> 3"):
         distill(str(tiny_checkpoint), out, 4, max_tokens=4, batch_size=2, top_k=2,
                 dtype="float32", progress=False)  # fmt: skip

@@ -128,7 +128,8 @@ _CODER_05B = ModelEntry(
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
     # self_spec drafting from the shipped drafter and context lookup gives ar's answers,
     # faster than ar and than lookup alone on the speed prompts and the quality suite; in a
-    # batch, rows draft from lookup only (the drafter drafts for a row running alone).
+    # batch the drafter drafts where batched passes pay (batches of 2 on 2 cores:
+    # docs/decoding.md, "Batches"), and lookup fills the width the batch takes anyway.
     # Figures: model_cards/qwen2.5-coder.md
     decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "drafter+lookup"},
     drafter="qwen2.5-coder-0.5b.safetensors",  # model_cards/qwen2.5-coder.md

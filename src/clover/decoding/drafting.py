@@ -93,7 +93,8 @@ class DrafterRunner:
         row's first tokens stay committed (0 for rows that committed nothing). `now`: the rows
         that draft next (None: all). The others' features wait in their backlog until they
         draft, or until it holds BACKLOG tokens: a batch whose rows do not draft (adaptive
-        rows draft only while alone) skips the drafter's context pass."""
+        rows of a batch draft only where batched passes pay) skips the drafter's context
+        pass."""
         if self.cache is None:
             return
         for b, c in enumerate(counts.tolist()):
