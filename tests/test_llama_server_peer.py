@@ -93,7 +93,7 @@ def test_the_engine_counts_tokens_and_kept_drafts(fake_server, tmp_path):
             e.run([[1], [2]], 4)
     finally:
         e.close()
-    assert e.proc.poll() is not None  # the server is gone
+    assert e.proc.poll() is not None and not e.log.exists()  # the server and its log are gone
     args = json.loads(fake_server.read_text().splitlines()[0])
     assert args[args.index("-t") + 1] == "2" and args[-2:] == ["--spec-type", "ngram-mod"]
     assert e.describe()["build"] == "version: 1 (fake)"

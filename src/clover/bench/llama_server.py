@@ -8,7 +8,7 @@ A peer is named `llama-server[:KIND[=ARG]]`:
 - `llama-server:draft=MODEL`: a draft model (`--spec-type draft-simple`), MODEL any name or
   GGUF `--model` takes (the 0.5B coder drafting for the 1.5B: same tokenizer);
 - `llama-server:dflash=FILE.gguf`: a converted DFlash drafter (`--spec-type draft-dflash`,
-  `clover export --llama-cpp`).
+  `clover export --format llama.cpp`).
 
 Each row starts one server (the binaries `scripts/build_llamacpp.sh` builds) on a free local
 port and sends the prompt token ids our rows get to its `/completion` endpoint: greedy, EOS
@@ -19,14 +19,17 @@ The server's own counters give the drafts it made and kept.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from clover.bench.load import llamacpp_bin
+from clover.bench.speed import RunStats
 from clover.errors import CloverError
 
 PREFIX = "llama-server"
@@ -47,6 +50,7 @@ KINDS = {
     "draft": ["--spec-type", "draft-simple", *DRAFT_FLAGS],
     "dflash": ["--spec-type", "draft-dflash", "--spec-draft-n-max", "15"],
 }
+WITH_FILE = ("draft", "dflash")  # the kinds that name a GGUF file
 
 
 def is_server_peer(name: str) -> bool:
@@ -60,9 +64,9 @@ def server_flags(name: str, resolve_gguf: object) -> tuple[str, list[str]]:
     kind, _, arg = name.removeprefix(PREFIX).removeprefix(":").partition("=")
     if kind not in KINDS:
         raise CloverError(f"peer {name!r}: the kinds are {', '.join(k for k in KINDS if k)}")
-    if kind in ("draft", "dflash") and not arg:
+    if kind in WITH_FILE and not arg:
         raise CloverError(f"peer {name!r}: {kind} needs a file, e.g. {PREFIX}:{kind}=FILE.gguf")
-    if kind not in ("draft", "dflash") and arg:
+    if kind not in WITH_FILE and arg:
         raise CloverError(f"peer {name!r}: {kind or PREFIX} takes no argument")
     flags = list(KINDS[kind])
     if arg:
@@ -106,8 +110,9 @@ class LlamaServerEngine:
                         "-np", "1", "--no-webui", *flags]  # fmt: skip
         version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
         self.build = " ".join((version.stdout + version.stderr).split()[:6])
-        self.log = Path(f"/tmp/clover-llama-server-{self.port}.log")
-        with open(self.log, "w") as log:
+        fd, log_path = tempfile.mkstemp(prefix="clover-llama-server-", suffix=".log")
+        self.log = Path(log_path)  # its tail explains a server that exits; removed at close
+        with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
@@ -118,6 +123,7 @@ class LlamaServerEngine:
         while time.perf_counter() - t0 < limit:
             if self.proc.poll() is not None:
                 tail = self.log.read_text(errors="replace")[-600:]
+                self.close()
                 raise CloverError(f"{self.name}: llama-server exited ({self.proc.returncode}): "
                                   f"{tail}")  # fmt: skip
             try:
@@ -130,9 +136,7 @@ class LlamaServerEngine:
         self.close()
         raise CloverError(f"{self.name}: llama-server not ready after {limit:.0f} s")
 
-    def run(self, prompts: list[list[int]], n: int) -> object:
-        from clover.bench.speed import RunStats  # speed imports this module: no cycle at load
-
+    def run(self, prompts: list[list[int]], n: int) -> RunStats:
         if len(prompts) != 1:
             raise CloverError("the llama-server rows run batch 1")
         body = {"prompt": prompts[0], "n_predict": n, "ignore_eos": True, "temperature": 0.0,
@@ -171,3 +175,4 @@ class LlamaServerEngine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ SPEED_PROMPTS = [
     "Describe the water cycle in a few sentences.",
 ]
 
-# `clover bench speed --prompt-set open_code`: ten kinds of coding request that do not quote
+# `clover bench speed --prompt-set code`: ten kinds of coding request that do not quote
 # their answer (no signature or docstring to copy), one prompt each; no drafter trains on them
 # (self prompts asking one are dropped, the templates hold none of them: tests/test_distill.py)
 OPEN_CODE_PROMPTS = [

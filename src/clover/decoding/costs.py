@@ -17,6 +17,7 @@ whose expected tokens for the whole batch per ms of a batched pass is highest (`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -77,15 +78,8 @@ def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool 
 def best_rate(accept: list[float], costs: PassCosts, most: int,
               drafter: bool = False) -> tuple[int, float]:  # fmt: skip
     """(that length, its expected tokens per ms)."""
-    best_k, best = 0, 1.0 / costs.verify(1)
-    survive, expected = 1.0, 1.0
-    for k in range(1, most + 1):
-        survive *= accept[k - 1] if k - 1 < len(accept) else accept[-1]
-        expected += survive
-        rate = expected / (costs.verify(1 + k) + (costs.draft(k) if drafter else 0.0))
-        if rate > best:
-            best_k, best = k, rate
-    return best_k, best
+    draft = costs.draft if drafter else (lambda k: 0.0)
+    return _best([accept], 0, costs.verify, draft, most)
 
 
 def batch_length(accepts: list[list[float]], riders: int, costs: PassCosts, most: int) -> int:
@@ -96,16 +90,26 @@ def batch_length(accepts: list[list[float]], riders: int, costs: PassCosts, most
     rows = len(accepts) + riders
     if not accepts or (rows > 1 and not costs.rows_ms):
         return 0
-    best_k, best = 0, rows / costs.verify_batch(rows, 1)
+    return _best(accepts, riders, lambda w: costs.verify_batch(rows, w),
+                 lambda k: costs.draft_batch(rows, k), most)[0]  # fmt: skip
+
+
+def _best(accepts: list[list[float]], riders: int, verify: Callable[[int], float],
+          draft: Callable[[int], float], most: int) -> tuple[int, float]:  # fmt: skip
+    """The length k in 0 .. most that maximises the expected tokens per ms of one pass over
+    the drafting rows (`accepts`: each one's acceptance by position) and `riders` rows of one
+    token: E(k) / (verify(1 + k) + draft(k)); -> (k, that rate)."""
+    rows = len(accepts) + riders
+    best_k, best = 0, rows / verify(1)
     survive, expected = [1.0] * len(accepts), float(rows)
     for k in range(1, most + 1):
         for i, a in enumerate(accepts):
             survive[i] *= a[k - 1] if k - 1 < len(a) else a[-1]
             expected += survive[i]
-        rate = expected / (costs.verify_batch(rows, 1 + k) + costs.draft_batch(rows, k))
+        rate = expected / (verify(1 + k) + draft(k))
         if rate > best:
             best_k, best = k, rate
-    return best_k
+    return best_k, best
 
 
 class Acceptance:
