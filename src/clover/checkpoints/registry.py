@@ -167,9 +167,9 @@ _CODER_15B = ModelEntry(
     "vocab; 22 part packages)",
     license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct, Qwen team, Alibaba Cloud)",
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
-    # lookup drafts give ar's answers, a little faster on each measured set: 1.08x ar on the
-    # ten coding requests, 1.02x on the quality suite's first 32 items (answers equal), 1.10x
-    # on the speed prompts (model_cards/qwen2.5-coder.md); no drafter of its own yet
+    # lookup drafts give ar's answers, a little faster than ar on the coding requests, the
+    # quality suite and the speed prompts (figures: model_cards/qwen2.5-coder.md); no drafter
+    # of its own yet
     decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
     # as for the 0.5B: x on 8 bits keeps the suite's accuracy (docs/kernels.md)
     dots_x=8,
