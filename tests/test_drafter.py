@@ -254,6 +254,21 @@ def test_drafter_training_learns_and_writes_a_loadable_file(tiny_checkpoint, dat
     assert drafter.config.info["steps"] == 16 and drafter.config.chain == chain
 
 
+def test_a_drafter_narrower_than_its_target(tiny_checkpoint, data, tmp_path):
+    from clover.engine import LLM
+    from clover.train.drafter import train_drafter
+
+    target = LLM(str(tiny_checkpoint), progress=False).model
+    width = target.config.intermediate_size // 2
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "run", steps=4, intermediate_size=width)
+    train_drafter(cfg, progress=False)
+    drafter = load_drafter(tmp_path / "run" / "drafter.safetensors", target)
+    assert drafter.config.intermediate_size == width
+    assert drafter.layers[0].mlp.up_proj.weight.shape[0] == width
+    with pytest.raises(CloverError, match="intermediate_size"):
+        drafter_config(tiny_checkpoint, data, tmp_path / "bad", intermediate_size=-1)
+
+
 def test_drafter_training_resumes_exactly(tiny_checkpoint, data, tmp_path):
     """Stopped and continued = run through, across epochs (the continued run recomputes the
     target features the first one had kept)."""
@@ -1278,12 +1293,12 @@ def test_a_grown_tree_drafts_only_after_drafts_it_can_still_keep(monkeypatch):
     assert sum(widths[1]) < sum(widths[0]), widths
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_an_int4_drafter_runs_fused_as_its_modules(chain, monkeypatch):
+@pytest.mark.parametrize("chain, mlp", [(False, 256), (True, 256), (True, 96)])
+def test_an_int4_drafter_runs_fused_as_its_modules(chain, mlp, monkeypatch):
     """With int4 linears in Clover's kernels a drafter pass takes the fused layers (q/k norms
     included): the modules' hidden states, two rows of different contexts, block passes, a
     chain's passes over scratch slots and a grown tree's (each draft seeing only its own
-    ancestors' slots among them)."""
+    ancestors' slots among them); also with an MLP narrower than the target's."""
     import copy
 
     from clover import kernels
@@ -1292,7 +1307,7 @@ def test_an_int4_drafter_runs_fused_as_its_modules(chain, monkeypatch):
     if kernels.load() is None:
         pytest.skip("no C++ compiler here")
     model = tiny_model(hidden_size=128, intermediate_size=256)
-    drafter = drafter_for(model, chain=chain)
+    drafter = drafter_for(model, chain=chain, intermediate_size=mlp)
     with torch.no_grad():  # sharper q/k norms: attention that a wrong norm would move
         for layer in drafter.layers:
             layer.self_attn.q_norm.weight.mul_(3)
