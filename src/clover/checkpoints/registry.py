@@ -168,8 +168,8 @@ _CODER_15B = ModelEntry(
     license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct, Qwen team, Alibaba Cloud)",
     overrides={"mask_token_id": 151643, "default_decoder": "ar"},
     # lookup drafts give ar's answers, a little faster than ar on the coding requests, the
-    # quality suite and the speed prompts (figures: model_cards/qwen2.5-coder.md); no drafter
-    # of its own yet
+    # quality suite and the speed prompts (figures: model_cards/qwen2.5-coder.md); a drafter
+    # of its own, trained one box, loses to lookup alone (docs/drafter.md, "The 1.5B's drafter")
     decoding={"default_decoder": "self_spec", "block_size": 4, "draft": "lookup"},
     # as for the 0.5B: x on 8 bits keeps the suite's accuracy (docs/kernels.md)
     dots_x=8,
