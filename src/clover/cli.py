@@ -47,8 +47,9 @@ def _model_args(p: argparse.ArgumentParser, store: bool = True) -> None:
                    help="name, GGUF file, HF directory, or Hub repo ORG/NAME[:QUANT]")  # fmt: skip
     p.add_argument("--revision", help="a Hub repo's branch, tag or commit (default: main)")
     p.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
-    p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter); "
-                   "none: not even the model's own")  # fmt: skip
+    p.add_argument("--drafter", help="a drafter file for --draft drafter (clover train drafter), "
+                   "or a smaller model of the same tokenizer that drafts as a whole (a name, "
+                   "GGUF file or HF directory); none: not even the model's own")  # fmt: skip
     if store:
         p.add_argument(
             "--store",
@@ -328,7 +329,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         # files Clover ships for this entry, attached when it loads (`clover info FILE` reads
         # one's header)
         "adapter": str(entry.adapter_path) if entry and entry.adapter else None,
-        "drafter": str(entry.drafter_path) if entry and entry.drafter else None,
+        "drafter": str(entry.default_drafter) if entry and entry.default_drafter else None,
         "license": license_,
         "kernels": _kernels_line(),
     }

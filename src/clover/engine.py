@@ -146,7 +146,9 @@ class LLM:
         """wide (int4 from a GGUF): tensors the file stores wider than 4 bits (Q5_0, Q6_K,
         Q8_0) keep their 8-bit levels ("int8": exact) or are rounded to 4 bits ("int4": fewer
         bytes per pass, faster, not exact). drafter: a drafter file (`clover train drafter`)
-        for self_spec draft="drafter";
+        for self_spec draft="drafter", or a smaller model of the same tokenizer (a name, GGUF
+        file or HF directory; "qwen2.5-coder-0.5b" for "qwen2.5-coder-1.5b") drafting as a
+        whole;
         adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and

@@ -457,8 +457,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--compile", action="store_true",
                    help="also rows with torch.compile'd causal passes, per precision")  # fmt: skip
     s.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
-    s.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs (none: "
-                   "not even the model's own)")  # fmt: skip
+    s.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs, or a "
+                   "smaller model of the same tokenizer that drafts as a whole (a name, GGUF "
+                   "file or HF directory); none: not even the model's own")  # fmt: skip
     s.add_argument("--store", action="append", metavar="PATH",
                    help="seed for self_spec:B:lookup+store: a `clover data distill` set of "
                    "this model or a text file (repeatable); the store does not learn here "
@@ -475,8 +476,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "low_confidence:32:0.95,self_spec:4,self_spec:4:lookup,default)")  # fmt: skip
     q.add_argument("--suite", help="JSONL suite (default benchmarks/suites/quality.jsonl)")
     q.add_argument("--adapter", help="a draft adapter file to attach (clover train adapt)")
-    q.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs (none: "
-                   "not even the model's own)")  # fmt: skip
+    q.add_argument("--drafter", help="a drafter file for self_spec:B:drafter configs, or a "
+                   "smaller model of the same tokenizer that drafts as a whole (a name, GGUF "
+                   "file or HF directory); none: not even the model's own")  # fmt: skip
     q.add_argument("--store", action="append", metavar="PATH",
                    help="seed for self_spec:B:lookup+store: a `clover data distill` set of "
                    "this model or a text file (repeatable)")  # fmt: skip

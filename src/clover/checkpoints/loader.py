@@ -62,7 +62,9 @@ class Loaded:
     resolved: ResolvedModel | None  # None for a preset
     adapter: str | None  # the draft adapter file attached, if any
     drafter: str | None = None  # the drafter file loaded, if any
-    drafter_model: Drafter | None = None  # that drafter, on the model's device and precision
+    # that drafter (a trained one, or a smaller model of the same tokenizer), on the model's
+    # device and precision
+    drafter_model: Drafter | DiffusionLM | None = None
 
 
 def gguf_entry(resolved: ResolvedModel, progress: bool = True) -> Path:
@@ -240,10 +242,11 @@ def load(
     """adapter: a draft adapter file to attach; a registry name that ships one attaches its
     own. drafter: a drafter file for self_spec draft="drafter" (a registry name that ships one
     loads its own unless another is given; "none": no drafter, and a default that drafted from
-    it drafts from the rest of its sources, lookup at least). device: cpu, cuda, cuda:N or
-    auto (`resolve_device`): weights load on the CPU, then move. wide (int4 from a GGUF): the
-    tensors stored wider than 4 bits keep their 8-bit levels ("int8") or are rounded to 4
-    bits ("int4": smaller, not exact)."""
+    it drafts from the rest of its sources, lookup at least), or a smaller model of the same
+    tokenizer (a name, GGUF file or HF directory) that drafts as a whole, loaded at `dtype`.
+    device: cpu, cuda, cuda:N or auto (`resolve_device`): weights load on the CPU, then move.
+    wide (int4 from a GGUF): the tensors stored wider than 4 bits keep their 8-bit levels
+    ("int8") or are rounded to 4 bits ("int4": smaller, not exact)."""
     if dtype not in DTYPES and dtype != "auto":
         raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
     if wide not in ("int8", "int4"):
@@ -283,8 +286,8 @@ def load(
         entry = resolved.entry
         if entry is not None and entry.adapter is not None and adapter is None:
             adapter = entry.adapter_path
-        if entry is not None and entry.drafter is not None and drafter is None:
-            drafter = entry.drafter_path
+        if entry is not None and drafter is None:
+            drafter = entry.default_drafter
         if entry is not None:
             entry.apply_decoding(net.config, drafter)
         mask_from_tokenizer(net.config, tokenizer)
@@ -302,7 +305,10 @@ def load(
     if adapter is not None:
         keep_float32(net)
     net.to(dev)
-    if drafter is not None:  # self_spec draft="drafter" (models/drafter.py)
+    if drafter is not None and not _is_drafter_file(drafter):  # a draft model
+        d = _draft_model(str(drafter), net, tokenizer, dtype, progress, device, wide)
+        drafter = str(drafter)
+    elif drafter is not None:  # self_spec draft="drafter" (models/drafter.py)
         if not Path(drafter).is_file():
             raise CloverError(f"drafter file {drafter} not found")
         # its own module: the model's state, casts and quantization leave it alone
@@ -318,8 +324,42 @@ def load(
     else:
         d = None
     if resolved is not None and resolved.entry is not None and resolved.entry.dots_x != 15:
-        set_dots_x(net, resolved.entry.dots_x, d)
+        set_dots_x(net, resolved.entry.dots_x, d if isinstance(d, Drafter) else None)
     return Loaded(net, tokenizer, name, dtype, dev, directory, resolved, adapter, drafter, d)
+
+
+def _is_drafter_file(drafter: str | Path) -> bool:
+    """A drafter file (`clover train drafter` writes .safetensors) rather than a model: a
+    registry name, a GGUF file, an HF directory or Hub repo."""
+    return str(drafter).endswith(".safetensors")
+
+
+# text whose tokens two tokenizers must agree on for one model to draft for the other
+_PROBE = "def mean(xs: list[float]) -> float:\n    return sum(xs) / len(xs)  # Größe, 平均 🙂\n"
+
+
+def _draft_model(name: str, target: DiffusionLM, tokenizer: Tokenizer, dtype: str,
+                 progress: bool, device: str, wide: str) -> DiffusionLM:  # fmt: skip
+    """A whole model drafting for `target`, loaded as the target is (precision, device):
+    it must read and write the same tokens."""
+    try:
+        loaded = load(name, dtype=dtype, progress=progress, device=device, drafter="none",
+                      wide=wide)  # fmt: skip
+    except CloverError as e:
+        raise CloverError(f"drafter {name}: not a drafter file (.safetensors), and as a draft "
+                          f"model: {e}") from e  # fmt: skip
+    draft = loaded.model
+    if draft.config.vocab_size != target.config.vocab_size or (
+        loaded.tokenizer.encode(_PROBE) != tokenizer.encode(_PROBE)
+    ):
+        raise CloverError(
+            f"drafter {name}: its tokenizer is not the model's ({draft.config.vocab_size} "
+            f"tokens against {target.config.vocab_size}, or other ids for the same text); a "
+            "draft model must share the model's tokenizer"
+        )
+    if not getattr(draft.config, "shifted", True):  # its logits are not next-token ones
+        raise CloverError(f"drafter {name}: a model without token shift cannot draft")
+    return draft
 
 
 def _overrides(resolved: ResolvedModel) -> dict:

@@ -67,6 +67,10 @@ class ModelEntry:
     # A drafter shipped inside Clover (clover/drafters/<file>, `clover train drafter`): loaded
     # with the model unless the caller names another, for self_spec draft="drafter*".
     drafter: str | None = None
+    # Or a smaller model of the registry with the same tokenizer, drafting as a whole
+    # (`--drafter NAME`, `decoding/draft_model.py`): loaded with the model, at its precision,
+    # unless the caller names another drafter.
+    draft_model: str | None = None
     # A model split over several packages (`clover.checkpoints.parts`): `filename` is then the
     # assembled file under cache_dir()/models, `sha256` its pinned hash and `gguf_header`
     # metadata it must hold.
@@ -89,6 +93,12 @@ class ModelEntry:
         if self.drafter is None:
             return None
         return Path(__file__).parents[1] / "drafters" / self.drafter  # clover/drafters/
+
+    @property
+    def default_drafter(self) -> str | Path | None:
+        """What drafts for this model unless the caller names a drafter: its shipped
+        drafter file, or its draft model's name."""
+        return self.drafter_path or self.draft_model
 
     def apply_decoding(self, config: ConfigMixin, drafter: str | Path | None = None) -> None:
         """Give `config` this entry's decoding defaults; with `drafter="none"` (the shipped

@@ -148,13 +148,14 @@ class Batch:
         cache = self.model.make_cache(1)
         if row.policy.speculative:
             cache.enable_rollback()
-        dcache = self.drafting.drafter.make_cache(1) if self.drafting is not None else None
+        dcache = self.drafting.make_cache() if self.drafting is not None else None
         drafts = getattr(row, "uses_drafter", False)
         running = bool(self.step_count and self.active)
         joins = self._joiners is not None and not drafts and running
         try:
             with torch.inference_mode():
-                own = dcache if drafts else None  # a drafting row's drafter reads its prefill
+                # a drafting row's drafter reads its prefill (a draft model: at its first draft)
+                own = dcache if drafts and self.drafting.reads_prefill else None
                 self.prefill.start(row, cache, self.drafting, own, running, defer=joins)
         except BaseException:
             self.prefill.release(row)
@@ -197,7 +198,7 @@ class Batch:
         self.cache = cache if self.cache is None else self.cache.extend(cache)
         if self.drafting is not None:
             for _ in rows:
-                self.drafting.add_row(self.drafting.drafter.make_cache(1))
+                self.drafting.add_row(self.drafting.make_cache())
         self.active += rows
 
     def _leave(self, k: int, save: bool) -> None:

@@ -67,14 +67,33 @@ class DrafterRunner:
         release_freed_memory()  # the rows' levels, unpacked on the way
         return head, vocab
 
+    # the drafter reads the features of a row's prefill (`Prefill.start`)
+    reads_prefill = True
+
     @property
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
+    @property
+    def grows_trees(self) -> bool:
+        """Whether the drafter grows trees itself, one pass per depth (a chain drafter), or
+        makes them from one chain's logits (`leaf_tree`)."""
+        return self.drafter.config.chain
+
+    def make_cache(self) -> ModelCache:
+        """An empty 1-row drafter cache."""
+        return self.drafter.make_cache(1)
+
+    def fill_context(self, tokens: int) -> None:
+        """Give every row a context of `tokens` arbitrary positions (timing passes)."""
+        width = len(self.layers) * self.model.config.hidden_size
+        rows = self.cache.batch_size
+        self.commit(torch.randn(rows, tokens, width), torch.full((rows,), tokens))
+
     def add_row(self, cache: ModelCache = None) -> None:
         """A row joins the batch with its 1-row drafter cache (its prefill's context), or an
         empty one."""
-        cache = cache if cache is not None else self.drafter.make_cache(1)
+        cache = cache if cache is not None else self.make_cache()
         self.cache = cache if self.cache is None else self.cache.extend(cache)
         self.backlog.append([])
         self.waiting.append(0)
@@ -152,20 +171,25 @@ class DrafterRunner:
                    for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
         if len(keep) > 1:
             lengths = self._batch_lengths(rows, lengths, len(keep))
-        # only the rows that draft now take their features into the drafter's context
-        self.commit(features, kept, [n > 0 for n in lengths])
+        # only the rows that draft now take what they committed into the drafter's context
+        self.take_context(rows, features, kept, [n > 0 for n in lengths])
         if max(lengths) == 0:
             return
         first = torch.tensor([r.pending[-1] if r.pending else 0 for r in rows])
         # greedy rows of a tree policy draft trees: a chain drafter grows them (one pass per
         # depth), a block drafter's are its chain and the other guesses beside it (leaf_tree)
         trees = [n > 0 and r.grows_tree for r, n in zip(rows, lengths)]
-        if self.drafter.config.chain and any(trees):
+        if self.grows_trees and any(trees):
             self._grow_trees(rows, first, lengths, trees, mask_id)
             lengths = [0 if t else n for n, t in zip(lengths, trees)]
             if max(lengths) == 0:
                 return
         self._draft_chains(rows, first, lengths, trees, mask_id)
+
+    def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
+                     now: list[bool]) -> None:  # fmt: skip
+        """What each row kept of the last pass, for its drafter context: its features."""
+        self.commit(features, kept, now)
 
     @staticmethod
     def _batch_lengths(rows: list, lengths: list[int], running: int) -> list[int]:

@@ -1,7 +1,8 @@
 """What decoding a model needs beside its weights, in one object.
 
 `LLM` owns one `Runtime` per loaded model and hands it to every decoder of that model
-(`BatchDecoder`, `generate`): the drafter (self_spec draft="drafter*"), the n-gram store of
+(`BatchDecoder`, `generate`): the drafter (self_spec draft="drafter*": a trained drafter or
+a smaller model of the same tokenizer), the n-gram store of
 earlier text, the draft acceptance the model's rows have seen per source, this machine's pass
 costs, and the prefix cache. Nothing of it hangs on the model module; a model decoded without
 one (`generate(model, ...)`) gets a fresh one for that call.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from clover.decoding.costs import Acceptance, PassCosts
+from clover.decoding.draft_model import runner_for
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.store import NgramStore
@@ -24,7 +26,7 @@ class Runtime:
     def __init__(
         self,
         model: DiffusionLM,
-        drafter: Drafter | None = None,
+        drafter: Drafter | DiffusionLM | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model, self.drafter, self.prefix_cache = model, drafter, prefix_cache
@@ -65,10 +67,11 @@ class Runtime:
         """A runner of the drafter over a batch's rows; the LM head's rows of the drafter's
         vocabulary are made once per runtime (they read most of the head's tiles: made per
         batch they would cost every request that time)."""
-        if self.drafter.vocab is not None and self._vocab_head is None:
+        trained = isinstance(self.drafter, Drafter)
+        if trained and self.drafter.vocab is not None and self._vocab_head is None:
             with torch.inference_mode():
                 self._vocab_head = DrafterRunner.vocab_head(self.model, self.drafter)
-        return DrafterRunner(self.model, self.drafter, self._vocab_head)
+        return runner_for(self.model, self.drafter, self._vocab_head)
 
 
 def runtime_of(model: DiffusionLM | Runtime, prefix_cache: PrefixCache | None = None) -> Runtime:

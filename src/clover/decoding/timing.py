@@ -17,7 +17,7 @@ import torch
 
 from clover import kernels
 from clover.decoding.costs import PassCosts
-from clover.decoding.drafting import DrafterRunner
+from clover.decoding.draft_model import runner_for
 from clover.files import atomic_write_text, cache_dir
 from clover.models.cache import ModelCache
 from clover.models.drafter import Drafter, fingerprint
@@ -48,7 +48,7 @@ def costs_path(key: str) -> Path:
     return cache_dir() / "costs" / f"{key}.json"
 
 
-def measure(model: torch.nn.Module, drafter: Drafter | None = None, reps: int = 5,
+def measure(model: torch.nn.Module, drafter: torch.nn.Module | None = None, reps: int = 5,
             widths: tuple[int, ...] = WIDTHS, batches: bool = True) -> PassCosts:  # fmt: skip
     """Time causal passes of each width over a cache of 256 tokens (the bench harness), and
     with `batches` the few widths batched rows draft at."""
@@ -74,17 +74,16 @@ def measure(model: torch.nn.Module, drafter: Drafter | None = None, reps: int = 
     return PassCosts(verify, draft, rows_ms, draft_rows)
 
 
-def _draft_costs(model: torch.nn.Module, drafter: Drafter, rows: int, cached: int, reps: int,
-                 widths: tuple[int, ...]) -> dict[int, float]:  # fmt: skip
+def _draft_costs(model: torch.nn.Module, drafter: torch.nn.Module, rows: int, cached: int,
+                 reps: int, widths: tuple[int, ...]) -> dict[int, float]:  # fmt: skip
     """ms of a drafter pass drafting w - 1 tokens for `rows` rows, by w (the fastest rep)."""
-    runner = DrafterRunner(model, drafter)
+    runner = runner_for(model, drafter)
     for _ in range(rows):
         runner.add_row()
-    width = len(drafter.config.feature_layers) * model.config.hidden_size
-    runner.commit(torch.randn(rows, cached, width), torch.full((rows,), cached))
+    runner.fill_context(cached)
     first = torch.ones(rows, dtype=torch.long)
     out = {}
-    for w in sorted({w for w in widths if 2 <= w <= drafter.config.block_size}):
+    for w in sorted({w for w in widths if 2 <= w <= runner.block_size}):
         runner.draft(first, w)
         times = []
         for _ in range(reps):
@@ -95,11 +94,15 @@ def _draft_costs(model: torch.nn.Module, drafter: Drafter, rows: int, cached: in
     return out
 
 
-def cached_costs(model: torch.nn.Module, label: str, drafter: Drafter | None = None) -> PassCosts:
+def cached_costs(model: torch.nn.Module, label: str,
+                 drafter: torch.nn.Module | None = None) -> PassCosts:  # fmt: skip
     """The cost table for this model here, measured on first use and kept in the user cache."""
-    if drafter is not None:  # its shape and head decide its pass's cost
+    if isinstance(drafter, Drafter):  # its shape and head decide its pass's cost
         c = drafter.config
         label += f"|drafter:{c.target_fingerprint}:{c.num_hidden_layers}:{c.draft_vocab}"
+    elif drafter is not None:  # a draft model: its own weights and head
+        weights = next(drafter.parameters()).dtype
+        label += f"|draft-model:{fingerprint(drafter)}:{_head_label(drafter)}:{weights}"
     key = costs_key(model, label)
     path = costs_path(key)
 
@@ -121,18 +124,20 @@ def cached_costs(model: torch.nn.Module, label: str, drafter: Drafter | None = N
     return costs
 
 
-def model_costs(model: torch.nn.Module, drafter: Drafter | None = None) -> PassCosts:
+def model_costs(model: torch.nn.Module, drafter: torch.nn.Module | None = None) -> PassCosts:
     """The table the decode loop reads for `model` (with `drafter`'s passes, if given);
     `clover bench` asks for it before timing anything, so that a first measurement does not
     land in a setting's seconds."""
+    return cached_costs(model, _head_label(model), drafter)
+
+
+def _head_label(model: torch.nn.Module) -> str:
+    """The LM head's format: it decides much of a pass's cost."""
     head = getattr(model, "quantized_head", None)
-    w = getattr(head, "weight", None)  # its format decides its cost
-    label = (
-        "float"
-        if head is None
-        else f"{type(head).__name__}:{getattr(w, 'bits', '')}:{getattr(w, 'group', '')}"
-    )
-    return cached_costs(model, label, drafter)
+    w = getattr(head, "weight", None)
+    if head is None:
+        return "float"
+    return f"{type(head).__name__}:{getattr(w, 'bits', '')}:{getattr(w, 'group', '')}"
 
 
 # --- timing one pass -------------------------------------------------------------------------

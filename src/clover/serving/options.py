@@ -103,8 +103,11 @@ class ServeOptions:
         uses_drafter = d.draft is not None and Source.DRAFTER in draft_sources(d.draft)
         if uses_drafter and self.drafter in (None, "none"):
             entry = KNOWN_MODELS.get(self.model.strip().lower())
-            if entry is None or entry.drafter is None or self.drafter == "none":
-                raise CloverError(f"--draft {d.draft} needs --drafter FILE (clover train drafter)")
+            if entry is None or entry.default_drafter is None or self.drafter == "none":
+                raise CloverError(
+                    f"--draft {d.draft} needs --drafter FILE (clover train drafter) or "
+                    "--drafter MODEL (a smaller model of its tokenizer)"
+                )
         if d.tree and not uses_drafter:
             raise CloverError("--tree grows trees from a drafter: add --draft drafter")
         if d.slide and d.decoder != "low_confidence":

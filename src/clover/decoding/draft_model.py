@@ -1,0 +1,121 @@
+"""A whole smaller model of the target's tokenizer as its drafter (`--drafter MODEL`: the 0.5B
+coder drafting for the 1.5B), beside the trained drafters of `drafting.py`.
+
+The draft model keeps its own cache of every row's committed tokens. It reads them lazily:
+a row's next draft pass starts with what the row committed since its last draft (the verify
+pass's kept tokens, or the whole prompt at its first draft) followed by its pending token, in
+one causal pass, then drafts one token a pass; afterwards its cache is rolled back to the
+committed tokens, so drafts never stay in it. A row that does not draft for a while feeds
+nothing: its next draft pass is wider instead. Verification is the same as for any drafter:
+exact, whatever the draft model says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clover.decoding.drafting import DrafterRunner, Pick
+from clover.models.base import DiffusionLM
+from clover.models.cache import ModelCache
+
+
+class ModelDraftRunner(DrafterRunner):
+    COPY_BONUS = 0.0  # a language model copies from its context well without it
+    reads_prefill = False  # it reads the prompt's tokens at the first draft instead
+    MOST = 16  # the longest draft the pass costs are timed for
+
+    def __init__(self, model: torch.nn.Module, draft: DiffusionLM) -> None:
+        self.model, self.drafter = model, draft
+        self.layers: tuple[int, ...] = ()  # no target features: the draft reads tokens
+        self.cache: ModelCache | None = None
+        self.head, self.vocab = None, None
+        self.fed: list[int] = []  # per row: its committed tokens in the draft model's cache
+        self.feeds: list[list[int]] = []  # per row: what its next draft pass reads first
+        self.tails: list[int] = []  # per row: of those, the uncommitted ones at the end
+
+    @property
+    def block_size(self) -> int:
+        return self.MOST
+
+    @property
+    def grows_trees(self) -> bool:
+        return False  # a tree row's tree comes from its chain's logits (`leaf_tree`)
+
+    def make_cache(self) -> ModelCache:
+        cache = self.drafter.make_cache(1)
+        cache.enable_rollback()
+        return cache
+
+    def fill_context(self, tokens: int) -> None:
+        rows = self.cache.batch_size
+        ids = torch.randint(0, self.drafter.config.vocab_size, (rows, tokens))
+        with torch.inference_mode():
+            self.drafter(ids.to(self.drafter.device), self.cache, "causal")
+        self.fed = [f + tokens for f in self.fed]
+
+    def add_row(self, cache: ModelCache = None) -> None:
+        cache = cache if cache is not None else self.make_cache()
+        self.cache = cache if self.cache is None else self.cache.extend(cache)
+        self.fed.append(int(cache.lengths[0]))
+        self.feeds.append([])
+        self.tails.append(0)
+
+    def select(self, keep: list[int]) -> None:
+        if not keep:
+            self.cache = None
+        else:
+            self.cache.select(keep)
+        self.fed = [self.fed[k] for k in keep]
+        self.feeds = [self.feeds[k] for k in keep]
+        self.tails = [self.tails[k] for k in keep]
+
+    def commit(self, features: torch.Tensor, counts: torch.Tensor,
+               now: list[bool] | None = None) -> None:  # fmt: skip
+        """Features are not read: `take_context` follows the rows' tokens."""
+
+    def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
+                     now: list[bool]) -> None:  # fmt: skip
+        """Each row's next draft pass reads what it committed since its last one, then its
+        pending tokens (the last of them is the draft's `first`)."""
+        for b, r in enumerate(rows):
+            if len(r.committed) < self.fed[b]:  # (never by the loop: committed stays exact)
+                self.cache.rollback(torch.tensor([self.fed[b] - len(r.committed) if k == b
+                                                  else 0 for k in range(len(rows))]))  # fmt: skip
+                self.fed[b] = len(r.committed)
+            pending = list(r.pending) or [0]
+            self.feeds[b] = r.committed[self.fed[b] :] + pending
+            self.tails[b] = len(pending)
+
+    def draft(self, first: torch.Tensor, width: int, pick: Pick | None = None) -> torch.Tensor:
+        """Like a chain drafter's: first [B] -> draft logits [B, width - 1, V], `pick(i,
+        logits)` choosing the draft at position i + 1. The first pass reads each row's feed
+        (`take_context`; just `first` when there is none), each later one the draft before."""
+        B, dm = len(first), self.drafter
+        feeds = [f if f else [t] for f, t in zip(self.feeds, first.tolist())]
+        tails = [t if f else 1 for f, t in zip(self.feeds, self.tails)]
+        n = torch.tensor([len(f) for f in feeds])
+        T = int(n.max())
+        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dm.device)
+        out = torch.empty((B, width - 1, dm.config.vocab_size), device=self.model.device)
+        with torch.inference_mode():
+            h = dm(ids, self.cache, "causal", n_valid=n)
+            last = h[torch.arange(B), n.to(h.device) - 1]  # [B, D]: each row's last real token
+            for i in range(width - 1):
+                out[:, i] = dm.logits(last)
+                picked = out[:, i].argmax(-1) if pick is None else pick(i, out[:, i])
+                if i < width - 2:  # the next pass reads this draft
+                    last = dm(picked[:, None].to(dm.device), self.cache, "causal")[:, -1]
+            # the drafts and the pending tokens leave the cache: it keeps committed tokens only
+            self.cache.rollback(torch.tensor(tails) + (width - 2))
+        self.fed = [f + len(feed) - t for f, feed, t in zip(self.fed, feeds, tails)]
+        self.feeds = [[] for _ in feeds]
+        return out
+
+
+def runner_for(model: torch.nn.Module, drafter: torch.nn.Module,
+               vocab_head: tuple | None = None) -> DrafterRunner:  # fmt: skip
+    """The runner of `drafter` over a batch's rows: a trained drafter's (`DrafterRunner`) or a
+    draft model's."""
+    if isinstance(drafter, DiffusionLM):
+        return ModelDraftRunner(model, drafter)
+    return DrafterRunner(model, drafter, vocab_head)

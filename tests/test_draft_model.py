@@ -1,0 +1,146 @@
+"""A whole smaller model as the drafter (`--drafter MODEL`): lossless, its cache kept to the
+committed tokens, loaded beside the target only when it shares its tokenizer."""
+
+import pytest
+
+from clover.decoding.policies import SelfSpec
+from clover.decoding.runtime import Runtime
+from clover.errors import CloverError
+from tests.conftest import tiny_model
+from tests.test_drafter import decoded
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("draft", ["drafter", "drafter+lookup"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_draft_model_drafts_are_lossless_batched(draft, adaptive):
+    """Another model drafting: float32 greedy answers token-identical to ar, rows of
+    different lengths decoded together."""
+    target = Runtime(tiny_model(seed=3), tiny_model(seed=5))
+    ar = decoded(target, PROMPTS, "ar", 24)
+    spec = decoded(target, PROMPTS, SelfSpec(block_size=4, draft=draft, adaptive=adaptive), 24)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    if not adaptive:
+        assert any("drafter" in r.drafts for r in spec)
+
+
+def test_the_model_drafting_for_itself_is_always_kept():
+    """The target as its own draft model: every draft is the target's next token, so every
+    pass keeps all of its drafts. Any slip in the draft cache (a token fed twice or not at
+    all, a draft left in it) would change a draft and lose it."""
+    model = tiny_model(seed=3)
+    runtime = Runtime(model, model)
+    ar = decoded(runtime, PROMPTS, "ar", 25)
+    spec = decoded(runtime, PROMPTS, SelfSpec(block_size=4, draft="drafter", adaptive=False), 25)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    for r in spec:
+        drafted, kept = r.drafts["drafter"]
+        assert kept == drafted > 0
+        assert r.nfe <= 1 + -(-len(r.tokens) // 4)  # the prompt's pass, then 4 tokens a pass
+
+
+def test_draft_model_rows_joining_a_running_batch_and_the_prefix_cache():
+    """A drafting row joining a running batch, and one whose prompt comes from the prefix
+    cache: the draft model reads their whole prompts at their first draft."""
+    from clover.decoding.loop import BatchDecoder
+    from clover.decoding.policies import make_policy
+    from clover.decoding.prefix_cache import PrefixCache
+
+    model = tiny_model(seed=4)
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+
+    def answer(prompt, prefix=None, join=None):
+        batch = BatchDecoder(Runtime(model, model, prefix))
+        rows = []
+        if join is not None:
+            rows.append(batch.add(join, make_policy("ar"), max_new_tokens=6))
+            batch.step()
+        rows.append(batch.add(prompt, policy, max_new_tokens=16))
+        while batch.active:
+            batch.step()
+        return rows[-1].result
+
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14]
+    cold = answer(prompt)
+    assert cold.tokens == decoded(model, [prompt], "ar", 16)[0].tokens
+    assert cold.drafts["drafter"][0] == cold.drafts["drafter"][1] > 0
+    joined = answer(prompt, join=[20, 21, 22])
+    assert joined.tokens == cold.tokens and joined.drafts == cold.drafts
+    cache = PrefixCache(64 * 2**20)
+    assert answer(prompt, cache).tokens == cold.tokens
+    warm = answer(prompt, cache)  # its prefix from the cache
+    assert warm.cached_tokens > 0
+    assert warm.tokens == cold.tokens and warm.drafts == cold.drafts
+
+
+def test_draft_model_trees_and_sampling_rows():
+    """Tree policies make their trees from the draft model's chain logits; sampling rows draw
+    their drafts from its distribution: greedy rows stay ar's, sampling rows run to length."""
+    from clover.decoding.loop import generate
+    from clover.decoding.sampling import SamplingParams
+
+    target = Runtime(tiny_model(seed=3), tiny_model(seed=5))
+    ar = decoded(target, PROMPTS, "ar", 20)
+    tree = decoded(target, PROMPTS, SelfSpec(block_size=4, draft="drafter", adaptive=False,
+                                             tree=9), 20)  # fmt: skip
+    assert [r.tokens for r in tree] == [r.tokens for r in ar]
+    results = []
+    sampling = SamplingParams(temperature=0.8, seed=1)
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    for _ in generate(target, PROMPTS, policy, max_new_tokens=12, sampling=sampling,
+                      results=results):  # fmt: skip
+        pass
+    assert all(len(r.tokens) == 12 or r.finish_reason == "stop" for r in results)
+    assert any(r.drafts.get("drafter", (0, 0))[0] for r in results)
+
+
+def test_draft_model_pass_costs_are_timed():
+    """The pass-cost table of a model with a draft model holds its draft passes by length,
+    longer drafts costing more."""
+    from clover.decoding.timing import measure
+
+    costs = measure(tiny_model(seed=3), tiny_model(seed=5), reps=2, widths=(1, 2, 4, 8),
+                    batches=False)  # fmt: skip
+    assert sorted(costs.draft_ms) == [2, 4, 8]
+    assert costs.draft_ms[8] > costs.draft_ms[2] > 0
+
+
+def test_loading_a_draft_model_beside_the_target(tiny_checkpoint, tmp_path):
+    """`--drafter` takes a model of the same tokenizer (here the target's own checkpoint); a
+    model of another vocabulary, or a name that is neither a drafter file nor a model, is a
+    clear error."""
+    from clover.checkpoints.hf_dir import save_checkpoint
+    from clover.checkpoints.loader import load
+    from clover.models.base import DiffusionLM
+
+    loaded = load(str(tiny_checkpoint), dtype="float32", progress=False,
+                  drafter=str(tiny_checkpoint))  # fmt: skip
+    assert isinstance(loaded.drafter_model, DiffusionLM)
+    assert loaded.drafter == str(tiny_checkpoint)
+    files = [p for p in tiny_checkpoint.iterdir() if p.name.startswith("tokenizer")]
+    other = save_checkpoint(tiny_model(vocab_size=330, eos_token_id=1, mask_token_id=0),
+                            tmp_path / "other", files)  # fmt: skip
+    with pytest.raises(CloverError, match="tokenizer"):
+        load(str(tiny_checkpoint), dtype="float32", progress=False, drafter=str(other))
+    with pytest.raises(CloverError, match="not a drafter file"):
+        load(str(tiny_checkpoint), dtype="float32", progress=False,
+             drafter=str(tmp_path / "missing"))  # fmt: skip
+    with pytest.raises(CloverError, match="not found"):
+        load(str(tiny_checkpoint), dtype="float32", progress=False,
+             drafter=str(tmp_path / "missing.safetensors"))  # fmt: skip
+
+
+def test_a_registry_entry_may_name_a_draft_model():
+    """An entry's default drafter: its shipped file, else its draft model's name; a server
+    whose default draft needs a drafter accepts either."""
+    from dataclasses import replace
+
+    from clover.checkpoints.registry import KNOWN_MODELS
+
+    coder = KNOWN_MODELS["qwen2.5-coder-0.5b"]
+    assert coder.default_drafter == coder.drafter_path
+    bigger = replace(KNOWN_MODELS["qwen2.5-coder-1.5b"], drafter=None,
+                     draft_model="qwen2.5-coder-0.5b")  # fmt: skip
+    assert bigger.default_drafter == "qwen2.5-coder-0.5b"
+    assert replace(bigger, draft_model=None).default_drafter is None
