@@ -140,7 +140,6 @@ def test_a_registry_entry_may_name_a_draft_model():
 
     coder = KNOWN_MODELS["qwen2.5-coder-0.5b"]
     assert coder.default_drafter == coder.drafter_path
-    bigger = replace(KNOWN_MODELS["qwen2.5-coder-1.5b"], drafter=None,
-                     draft_model="qwen2.5-coder-0.5b")  # fmt: skip
+    bigger = KNOWN_MODELS["qwen2.5-coder-1.5b"]
     assert bigger.default_drafter == "qwen2.5-coder-0.5b"
     assert replace(bigger, draft_model=None).default_drafter is None

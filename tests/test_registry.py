@@ -70,6 +70,15 @@ def test_shipped_drafters_exist_and_name_their_model():
         arch = e.gguf_header["general.architecture"]
         assert c.hidden_size == e.gguf_header[f"{arch}.embedding_length"]
     assert KNOWN_MODELS["qwen2.5-coder-1.5b"].drafter is None  # trained for the 0.5B only
+    # a draft model named by an entry is another, smaller entry of the same family (the
+    # loader checks their tokenizers agree)
+    for e in KNOWN_MODELS.values():
+        if e.draft_model is not None:
+            draft = KNOWN_MODELS[e.draft_model]
+            arch = e.gguf_header["general.architecture"]
+            assert draft.gguf_header["general.architecture"] == arch
+            assert draft.gguf_header[f"{arch}.embedding_length"] < e.gguf_header[
+                f"{arch}.embedding_length"]  # fmt: skip
 
 
 def test_cache_dir(tmp_path, monkeypatch):
@@ -359,3 +368,18 @@ def test_coder_entries_are_pinned():
         assert all(len(p.sha256) == 64 and p.size > 0 for p in entry.parts)
         assert entry.gguf_header["general.architecture"] == "qwen2"
         assert [p.path for p in entry.parts][:2] == ["data/part01.bin", "data/part02.bin"]
+
+
+def test_pull_brings_the_draft_model_an_entry_drafts_with(monkeypatch):
+    """An entry that drafts with a smaller model by default pulls that model too, so it runs
+    offline afterwards."""
+    big = replace(FAKE, name="fake-big", draft_model=FAKE.name)
+    monkeypatch.setitem(KNOWN_MODELS, big.name, big)
+    monkeypatch.setitem(KNOWN_MODELS, FAKE.name, FAKE)
+    pulled = []
+    monkeypatch.setattr(registry, "_pull_entry",
+                        lambda e, progress: pulled.append(e.name) or Path(e.name))  # fmt: skip
+    assert pull("fake-big") == Path("fake-big")
+    assert pulled == ["fake-big", FAKE.name]
+    pulled.clear()
+    assert pull(FAKE.name) == Path(FAKE.name) and pulled == [FAKE.name]
