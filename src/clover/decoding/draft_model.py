@@ -30,8 +30,7 @@ class ModelDraftRunner(DrafterRunner):
         self.cache: ModelCache | None = None
         self.head, self.vocab = None, None
         self.fed: list[int] = []  # per row: its committed tokens in the draft model's cache
-        self.feeds: list[list[int]] = []  # per row: what its next draft pass reads first
-        self.tails: list[int] = []  # per row: of those, the uncommitted ones at the end
+        self.rows: list | None = None  # the batch's rows, until the draft pass reads them
 
     @property
     def block_size(self) -> int:
@@ -57,8 +56,6 @@ class ModelDraftRunner(DrafterRunner):
         cache = cache if cache is not None else self.make_cache()
         self.cache = cache if self.cache is None else self.cache.extend(cache)
         self.fed.append(int(cache.lengths[0]))
-        self.feeds.append([])
-        self.tails.append(0)
 
     def select(self, keep: list[int]) -> None:
         if not keep:
@@ -66,33 +63,32 @@ class ModelDraftRunner(DrafterRunner):
         else:
             self.cache.select(keep)
         self.fed = [self.fed[k] for k in keep]
-        self.feeds = [self.feeds[k] for k in keep]
-        self.tails = [self.tails[k] for k in keep]
-
-    def commit(self, features: torch.Tensor, counts: torch.Tensor,
-               now: list[bool] | None = None) -> None:  # fmt: skip
-        """Features are not read: `take_context` follows the rows' tokens."""
 
     def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
                      now: list[bool]) -> None:  # fmt: skip
-        """Each row's next draft pass reads what it committed since its last one, then its
-        pending tokens (the last of them is the draft's `first`)."""
-        for b, r in enumerate(rows):
-            if len(r.committed) < self.fed[b]:  # (never by the loop: committed stays exact)
-                self.cache.rollback(torch.tensor([self.fed[b] - len(r.committed) if k == b
-                                                  else 0 for k in range(len(rows))]))  # fmt: skip
-                self.fed[b] = len(r.committed)
-            pending = list(r.pending) or [0]
-            self.feeds[b] = r.committed[self.fed[b] :] + pending
-            self.tails[b] = len(pending)
+        """Nothing is read now: a draft pass reads the rows' tokens (`_feeds`)."""
+        self.rows = rows
+
+    def _feeds(self, first: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+        """Each row's input to the first draft pass: what it committed since its last draft,
+        then its pending tokens (the last of them is `first`); and how many of those are
+        uncommitted. Without rows (timing passes): just `first`."""
+        if self.rows is None:
+            return [[t] for t in first.tolist()], [1] * len(first)
+        back = [max(0, f - len(r.committed)) for f, r in zip(self.fed, self.rows)]
+        if any(back):  # (never by the loop: committed stays exact)
+            self.cache.rollback(torch.tensor(back))
+            self.fed = [f - k for f, k in zip(self.fed, back)]
+        pending = [list(r.pending) or [0] for r in self.rows]
+        feeds = [r.committed[f:] + p for r, f, p in zip(self.rows, self.fed, pending)]
+        return feeds, [len(p) for p in pending]
 
     def draft(self, first: torch.Tensor, width: int, pick: Pick | None = None) -> torch.Tensor:
         """Like a chain drafter's: first [B] -> draft logits [B, width - 1, V], `pick(i,
         logits)` choosing the draft at position i + 1. The first pass reads each row's feed
-        (`take_context`; just `first` when there is none), each later one the draft before."""
+        (`_feeds`), each later one the draft before."""
         B, dm = len(first), self.drafter
-        feeds = [f if f else [t] for f, t in zip(self.feeds, first.tolist())]
-        tails = [t if f else 1 for f, t in zip(self.feeds, self.tails)]
+        feeds, tails = self._feeds(first)
         n = torch.tensor([len(f) for f in feeds])
         T = int(n.max())
         ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dm.device)
@@ -108,7 +104,7 @@ class ModelDraftRunner(DrafterRunner):
             # the drafts and the pending tokens leave the cache: it keeps committed tokens only
             self.cache.rollback(torch.tensor(tails) + (width - 2))
         self.fed = [f + len(feed) - t for f, feed, t in zip(self.fed, feeds, tails)]
-        self.feeds = [[] for _ in feeds]
+        self.rows = None
         return out
 
 
