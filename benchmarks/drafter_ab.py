@@ -1,8 +1,11 @@
 """Two drafters of one model side by side on requests none of them trained on, per prompt.
 
-Usage: python benchmarks/drafter_ab.py NEW.safetensors [--old FILE] [--model M]
-       [--prompt-set code] [--tokens 384] [--reps 2] [--out FILE]
+Usage: python benchmarks/drafter_ab.py NEW [--old DRAFTER] [--model M] [--prompt-set code]
+       [--tokens 384] [--reps 2] [--old-vocab N] [--new-vocab N] [--out FILE]
 
+A drafter is a drafter file or a smaller model of the same tokenizer (`--drafter`); a draft
+model's side may draft from its first N ids (`--old-vocab`, `--new-vocab`: its
+`draft_vocab`, 0 every id), so one draft model with two draft vocabularies can be compared.
 The model is loaded twice, once with each drafter (OLD: the model's shipped one unless given);
 every prompt runs `ar` and the model's default decoding with each drafter, greedy, answers
 ending at EOS or `--tokens`, prefix cache off, in an order that rotates between repetitions so
@@ -24,6 +27,7 @@ from pathlib import Path
 from clover.bench.common import command_line, machine, model_label, now, write_results
 from clover.data.bench_prompts import OPEN_CODE_PROMPTS, SPEED_PROMPTS
 from clover.engine import LLM, GenerationSettings
+from clover.models.base import DiffusionLM
 
 SETS = {"code": OPEN_CODE_PROMPTS, "speed": SPEED_PROMPTS}
 
@@ -54,11 +58,19 @@ def main() -> int:
     p.add_argument("--prompt-set", choices=sorted(SETS), default="code")
     p.add_argument("--tokens", type=int, default=384)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--old-vocab", type=int, help="a draft model's draft_vocab on the OLD side")
+    p.add_argument("--new-vocab", type=int, help="the same on the NEW side")
     p.add_argument("--out")
     a = p.parse_args()
     record = machine()
     llms = {"old": LLM(a.model, drafter=a.old, progress=False),
             "new": LLM(a.model, drafter=a.new, progress=False)}  # fmt: skip
+    for name, vocab in (("old", a.old_vocab), ("new", a.new_vocab)):
+        draft = llms[name].runtime.drafter
+        if vocab is not None:
+            if not isinstance(draft, DiffusionLM):
+                p.error(f"--{name}-vocab: the {name} drafter is not a draft model")
+            draft.draft_vocab = vocab  # before its first draft: its head and costs follow it
     for llm in llms.values():
         llm.set_prefix_cache(0)
     first = llms["old"]
@@ -108,6 +120,7 @@ def main() -> int:
         "machine": record,
         "model": a.model,
         "drafters": {"old": a.old or "the model's own", "new": a.new},
+        "draft_vocab": {"old": a.old_vocab, "new": a.new_vocab},
         "settings": {"prompt_set": a.prompt_set, "max_tokens": a.tokens, "reps": a.reps,
                      "default": {k: v for k, v in dataclasses.asdict(default).items()
                                  if v is not None}, "greedy": True, "eos": "respected",

@@ -2,7 +2,10 @@
 committed tokens, loaded beside the target only when it shares its tokenizer."""
 
 import pytest
+import torch
 
+from clover.decoding.costs import best_length
+from clover.decoding.draft_model import ModelDraftRunner, draft_vocabulary
 from clover.decoding.policies import SelfSpec
 from clover.decoding.runtime import Runtime
 from clover.errors import CloverError
@@ -93,6 +96,87 @@ def test_draft_model_trees_and_sampling_rows():
         pass
     assert all(len(r.tokens) == 12 or r.finish_reason == "stop" for r in results)
     assert any(r.drafts.get("drafter", (0, 0))[0] for r in results)
+
+
+def test_the_draft_vocabulary_is_the_first_ids_and_the_end_tokens():
+    """The first ids, the end tokens past them, padded with the next ids to 16-row tiles;
+    none (the whole head) when it would not be smaller."""
+    config = tiny_model(eos_token_id=[1, 60]).config
+    vocab = draft_vocabulary(config, 20)
+    assert len(vocab) == 32 and vocab.tolist() == sorted(vocab.tolist())
+    assert vocab[:20].tolist() == list(range(20)) and 60 in vocab.tolist()
+    assert len(set(vocab.tolist())) == 32
+    assert draft_vocabulary(config, 0) is None and draft_vocabulary(config, 50) is None
+
+
+@pytest.mark.parametrize("head", [None, "int4", "int8"])
+def test_a_draft_models_head_over_its_draft_vocabulary(head):
+    """The draft model's logits over its draft vocabulary are its whole head's for those ids
+    (a quantized head's own levels) and -inf elsewhere, position after position."""
+    from clover import kernels
+    from clover.quant import quantize_model
+
+    if head and kernels.load() is None:
+        pytest.skip("no C++ compiler here")
+    target, draft = tiny_model(seed=3), tiny_model(seed=5)
+    draft.draft_vocab = 20
+    if head:
+        quantize_model(draft, "int4", head=head)
+    made = ModelDraftRunner.vocab_head(draft)  # made once (a `Runtime` keeps it)
+    full, part = ModelDraftRunner(target, draft, made), ModelDraftRunner(target, draft, made)
+    assert part.head is not None and len(part.vocab) == 32
+    full.head = full.vocab = None  # the whole head: the reference
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for r in (full, part):
+        r.add_row()
+        with torch.inference_mode():
+            draft(prompt, r.cache, "causal")
+        r.fed = [6]
+    forced = torch.tensor([[7, 3, 11]])
+    pick = lambda i, lg: forced[:, i]  # noqa: E731
+    a, b = full.draft(torch.tensor([5]), 4, pick), part.draft(torch.tensor([5]), 4, pick)
+    others = torch.ones(64, dtype=torch.bool)
+    others[part.vocab] = False
+    assert bool(torch.isinf(b[..., others]).all()) and not torch.isinf(a).any()
+    torch.testing.assert_close(b[..., part.vocab], a[..., part.vocab], rtol=0, atol=1e-5)
+
+
+def test_draft_vocabulary_drafts_are_lossless():
+    """A draft model drafting from 16 of 64 ids: greedy answers still ar's, and no draft
+    outside them; its runtime cuts the head once."""
+    draft = tiny_model(seed=5)
+    draft.draft_vocab = 16
+    target = Runtime(tiny_model(seed=3), draft)
+    assert target.drafter_runner().head is target.drafter_runner().head is not None
+    ar = decoded(target, PROMPTS, "ar", 24)
+    spec = decoded(target, PROMPTS, SelfSpec(block_size=4, draft="drafter", adaptive=False), 24)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+    assert any(r.drafts["drafter"][0] for r in spec)
+    own = tiny_model(seed=3)
+    own.draft_vocab = 16
+    own = Runtime(tiny_model(seed=3), own)
+    for r in decoded(own, PROMPTS, SelfSpec(block_size=4, draft="drafter", adaptive=False), 24):
+        # the target drafting for itself keeps only drafts of its answer's tokens among the 16
+        # (the whole head would keep every draft: 17 a row here)
+        assert 0 < r.drafts["drafter"][1] <= sum(t < 16 for t in r.tokens)
+
+
+def test_a_draft_model_is_tried_from_its_own_prior():
+    """Where a draft pass costs half a target step, a trained drafter's 0.6 prior says drafts
+    do not pay (so they are never tried, never learnt); a draft model starts from its own
+    higher prior, drafts from the first row, and learns from there."""
+    from clover.decoding.costs import PassCosts
+
+    model = tiny_model(seed=3)
+    runtime = Runtime(model, model)
+    runtime._costs[True] = PassCosts({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0},
+                                     {2: 5.0, 3: 10.0, 4: 15.0})  # fmt: skip
+    assert runtime.shared_acceptance("drafter", 3).p == [ModelDraftRunner.PRIOR] * 3
+    assert runtime.shared_acceptance("lookup", 3).p == [0.6] * 3
+    assert best_length([0.6] * 3, runtime._costs[True], 3, drafter=True) == 0
+    [r] = decoded(runtime, [PROMPTS[0]], SelfSpec(block_size=4, draft="drafter"), 16)
+    assert r.drafts["drafter"][0] > 0
+    assert runtime.shared_acceptance("drafter", 3).p[0] > ModelDraftRunner.PRIOR  # all kept
 
 
 def test_draft_model_pass_costs_are_timed():

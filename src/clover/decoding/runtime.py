@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from clover.decoding.costs import Acceptance, PassCosts
-from clover.decoding.draft_model import runner_for
+from clover.decoding.draft_model import ModelDraftRunner, runner_for
 from clover.decoding.drafting import DrafterRunner
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.store import NgramStore
@@ -51,10 +51,14 @@ class Runtime:
 
     def shared_acceptance(self, source: str, positions: int) -> Acceptance:
         """The acceptance every row of the model reports to for one draft source: learns 4x
-        slower than a row's and drifts back to the prior 10x slower."""
+        slower than a row's and drifts back to the prior 10x slower (a draft model's prior is
+        its own: `ModelDraftRunner.PRIOR`)."""
         key = (source, positions)
         if key not in self._acceptance:
-            self._acceptance[key] = Acceptance(positions, rate=0.05, drift=0.002)
+            prior = {}
+            if source == "drafter" and isinstance(self.drafter, DiffusionLM):
+                prior = {"prior": ModelDraftRunner.PRIOR}
+            self._acceptance[key] = Acceptance(positions, rate=0.05, drift=0.002, **prior)
         return self._acceptance[key]
 
     def relax(self) -> None:
@@ -67,10 +71,12 @@ class Runtime:
         """A runner of the drafter over a batch's rows; the LM head's rows of the drafter's
         vocabulary are made once per runtime (they read most of the head's tiles: made per
         batch they would cost every request that time)."""
-        trained = isinstance(self.drafter, Drafter)
-        if trained and self.drafter.vocab is not None and self._vocab_head is None:
-            with torch.inference_mode():
-                self._vocab_head = DrafterRunner.vocab_head(self.model, self.drafter)
+        if self._vocab_head is None:
+            if isinstance(self.drafter, Drafter) and self.drafter.vocab is not None:
+                with torch.inference_mode():
+                    self._vocab_head = DrafterRunner.vocab_head(self.model, self.drafter)
+            elif isinstance(self.drafter, DiffusionLM):
+                self._vocab_head = ModelDraftRunner.vocab_head(self.drafter)
         return runner_for(self.model, self.drafter, self._vocab_head)
 
 

@@ -103,6 +103,7 @@ def cached_costs(model: torch.nn.Module, label: str,
     elif drafter is not None:  # a draft model: its own weights and head
         weights = next(drafter.parameters()).dtype
         label += f"|draft-model:{fingerprint(drafter)}:{_head_label(drafter)}:{weights}"
+        label += f":vocab{drafter.draft_vocab}"
     key = costs_key(model, label)
     path = costs_path(key)
 

@@ -65,6 +65,9 @@ class DiffusionLM(nn.Module):
     config: object  # the architecture's config dataclass
     kv_cache_dtype: torch.dtype | None = None  # None: `cache.kv_dtype`'s rule
     compiled_backbone = None  # set by `compile_causal`
+    # drafting for another model (`--drafter MODEL`), its drafts come from its head's rows of
+    # this many first ids and its end tokens (`decoding.draft_model`); 0: every id
+    draft_vocab: int = 32768
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         raise NotImplementedError
