@@ -251,13 +251,15 @@ def test_warm_up_runs_every_kind_of_causal_pass():
     assert kinds == {"prefill", "step", "verify"}
 
 
-@pytest.mark.parametrize("draft", ["mask", "chain drafter", "chain drafter leaning"])
+@pytest.mark.parametrize("draft", ["mask", "chain drafter", "chain drafter leaning",
+                                   "draft model"])  # fmt: skip
 def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
     """Lossless at temperature > 0: drafts drawn from their distribution q (the masked
     block's; a chain drafter's, each position conditioned on the draft drawn before it, and
     leaning to context copies: "leaning" makes the lean large and the prompt one where every
-    draft has a copy to lean to) are kept with probability min(1, p/q), the first refused one
-    is redrawn from the residual.
+    draft has a copy to lean to; another model's over its first 16 ids only, q 0 elsewhere)
+    are kept with probability min(1, p/q), the first refused one is redrawn from the
+    residual.
     Over 3,000 seeds the answers' tokens 2 and 3 (the ones drafts are verified for) follow AR
     sampling's exact distribution, computed from the tiny model's probabilities: chi-square
     on the marginals of t2 and t3 and on (t2, t3) in 8 x 8 bins."""
@@ -276,13 +278,20 @@ def test_speculative_sampling_has_the_ar_distribution(draft, monkeypatch):
 
         decoder = attached(model, chain=True)  # the model with a drafter
         policy = SelfSpec(block_size=3, draft="drafter", adaptive=False)
+    if draft == "draft model":
+        from clover.decoding.runtime import Runtime
+
+        other = tiny_model(seed=5)
+        other.draft_vocab = 16
+        decoder = Runtime(model, other)
+        policy = SelfSpec(block_size=3, draft="drafter", adaptive=False)
     if draft.endswith("leaning"):  # 9 x 9 y ... 9: (9, t1) and (t1, 9) always occurred before
         prompt = [t for x in range(4, model.config.vocab_size) for t in (9, x)] + [9]
         monkeypatch.setattr(DrafterRunner, "COPY_BONUS", 30.0)
         follower = NgramIndex.follower
         monkeypatch.setattr(NgramIndex, "follower", lambda s, t: leans.append(follower(s, t))
                             or leans[-1])  # fmt: skip
-    source = "drafter" if "drafter" in draft else "mask"
+    source = "mask" if draft == "mask" else "drafter"
     sampling = SamplingParams(temperature=1.0, seed=7)
     results, _ = run(decoder, [prompt] * n, policy, max_new=3, sampling=sampling)
     assert sum(r.drafts.get(source, [0, 0])[0] for r in results) >= n  # drafts were verified
