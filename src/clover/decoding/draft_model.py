@@ -123,7 +123,7 @@ class ModelDraftRunner(DrafterRunner):
             h = dm(ids, self.cache, "causal", n_valid=n)
             last = h[torch.arange(B), n.to(h.device) - 1]  # [B, D]: each row's last real token
             for i in range(width - 1):
-                self._logits(last, out[:, i])
+                self._logits(last[:, None], out[:, i : i + 1])
                 picked = out[:, i].argmax(-1) if pick is None else pick(i, out[:, i])
                 if i < width - 2:  # the next pass reads this draft
                     last = dm(picked[:, None].to(dm.device), self.cache, "causal")[:, -1]
@@ -133,14 +133,10 @@ class ModelDraftRunner(DrafterRunner):
         self.rows = None
         return out
 
-    def _logits(self, h: torch.Tensor, out: torch.Tensor) -> None:
-        """final hidden [B, D] -> draft logits [B, V] in `out`: the draft vocabulary's, every
-        other token at -inf."""
-        if self.head is None:
-            out.copy_(self.drafter.logits(h))
-            return
-        part = self.head(h.to(self.drafter.embed_dtype)).float()
-        out.fill_(float("-inf")).scatter_(-1, self.vocab.expand_as(part), part)
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The draft model's own head (`DrafterRunner._logits` spreads it over every id)."""
+        h = h.to(self.drafter.embed_dtype)
+        return (self.drafter.logits(h) if self.head is None else self.head(h)).float()
 
 
 def draft_vocabulary(config: object, size: int) -> torch.Tensor | None:
