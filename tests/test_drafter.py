@@ -269,6 +269,35 @@ def test_a_drafter_narrower_than_its_target(tiny_checkpoint, data, tmp_path):
         drafter_config(tiny_checkpoint, data, tmp_path / "bad", intermediate_size=-1)
 
 
+def test_data_weights_repeat_a_sources_training_answers(tiny_checkpoint, data, tmp_path):
+    """`data_weights` [1, 3]: the second directory's training answers come three times an
+    epoch, its held-out answers once; a run on the mix trains, and the target's features are
+    made once per answer however often it comes."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from clover.train.drafter import load_sets, train_drafter
+
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    one = drafter_config(tiny_checkpoint, data, tmp_path / "one", eval_examples=1000)
+    train1, held1, _ = load_sets(one)
+    dirs = [str(data), str(other)]
+    mix = replace(drafter_config(tiny_checkpoint, data, tmp_path / "mix", steps=4),
+                  data=dirs, data_weights=[1, 3], eval_examples=1000)  # fmt: skip
+    train, held, _ = load_sets(mix)
+    assert len(train) == 4 * len(train1) and len(held) == 2 * len(held1)
+    assert train[len(train1) :] == [r for r in train1 for _ in range(3)]
+    train_drafter(mix, progress=False)
+    parts = list((tmp_path / "mix" / "features").glob("part-*.safetensors"))
+    ids = [k for p in parts for k in safe_open(str(p), framework="pt").keys()]
+    assert len(ids) == len(set(ids)) == len({r["id"] for r in train + held})
+    for bad in ([1], [1, 0], [1, 1.5]):
+        with pytest.raises(CloverError, match="data_weights"):
+            replace(one, data=dirs, data_weights=bad)
+
+
 def test_drafter_training_resumes_exactly(tiny_checkpoint, data, tmp_path):
     """Stopped and continued = run through, across epochs (the continued run recomputes the
     target features the first one had kept)."""
@@ -344,6 +373,23 @@ def decoded(model, prompts, policy, max_new_tokens):
     for _ in generate(model, prompts, policy, max_new_tokens=max_new_tokens, results=results):
         pass
     return results
+
+
+def answer_in_batch(runtime, policy, prompt, join=None, max_new_tokens=16):
+    """`prompt`'s result decoded with `policy` in a `BatchDecoder` of `runtime`; with `join`,
+    a running `ar` row (6 tokens, one step in) that the drafting row joins."""
+    from clover.decoding.loop import BatchDecoder
+    from clover.decoding.policies import make_policy
+
+    batch = BatchDecoder(runtime)
+    rows = []
+    if join is not None:
+        rows.append(batch.add(join, make_policy("ar"), max_new_tokens=6))
+        batch.step()
+    rows.append(batch.add(prompt, policy, max_new_tokens=max_new_tokens))
+    while batch.active:
+        batch.step()
+    return rows[-1].result
 
 
 @pytest.mark.parametrize("draft", ["drafter", "drafter+lookup"])
@@ -500,8 +546,7 @@ def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache(chain, tree):
     """A drafting row that joins a running batch prefills alone (its drafter context from
     that pass); with a prefix cache, a warm request gives the cold one's tokens (trees of
     drafts: the committed ids the cache saves are the kept branch's)."""
-    from clover.decoding.loop import BatchDecoder
-    from clover.decoding.policies import SelfSpec, make_policy
+    from clover.decoding.policies import SelfSpec
     from clover.decoding.prefix_cache import PrefixCache
     from clover.decoding.runtime import Runtime
 
@@ -509,15 +554,8 @@ def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache(chain, tree):
     policy = SelfSpec(block_size=4, draft="drafter", adaptive=False, tree=tree)
 
     def answer(prompt, prefix=None, join=None):
-        batch = BatchDecoder(Runtime(model.model, model.drafter, prefix))
-        rows = []
-        if join is not None:
-            rows.append(batch.add(join, make_policy("ar"), max_new_tokens=6))
-            batch.step()
-        rows.append(batch.add(prompt, policy, max_new_tokens=16))
-        while batch.active:
-            batch.step()
-        return rows[-1].result.tokens
+        runtime = Runtime(model.model, model.drafter, prefix)
+        return answer_in_batch(runtime, policy, prompt, join).tokens
 
     prompt = [7, 8, 9, 10, 11, 12, 13, 14]
     cold = answer(prompt)

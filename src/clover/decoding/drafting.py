@@ -95,14 +95,22 @@ class DrafterRunner:
         empty one."""
         cache = cache if cache is not None else self.make_cache()
         self.cache = cache if self.cache is None else self.cache.extend(cache)
-        self.backlog.append([])
-        self.waiting.append(0)
+        self._row_added(cache)
 
     def select(self, keep: list[int]) -> None:
+        """Keep only the rows `keep` (their indices, in their new order)."""
         if not keep:
             self.cache = None
         else:
             self.cache.select(keep)
+        self._rows_kept(keep)
+
+    def _row_added(self, cache: ModelCache) -> None:
+        """The runner's own state of a row that joined with `cache`."""
+        self.backlog.append([])
+        self.waiting.append(0)
+
+    def _rows_kept(self, keep: list[int]) -> None:
         self.backlog = [self.backlog[k] for k in keep]
         self.waiting = [self.waiting[k] for k in keep]
 

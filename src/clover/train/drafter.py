@@ -57,6 +57,9 @@ class DrafterTrainConfig:
     target: str  # the model the drafter drafts for (name, GGUF file or HF directory)
     data: str | list[str]  # `clover data distill` output dir(s)
     out: str
+    # how many times each data dir's training answers come in an epoch, one int >= 1 per dir
+    # (None: once each): a mix that leans on one source (its held-out answers count once)
+    data_weights: list[int] | None = None
     target_dtype: str = "int4"  # what the target runs at when it verifies: its features
     layers: int = 1  # drafter layers
     # the drafter's MLP width; 0: the target's. A narrower MLP drafts and trains faster, which
@@ -135,6 +138,15 @@ class DrafterTrainConfig:
             raise CloverError(f"max_minutes must be > 0, got {self.max_minutes!r}")
         if self.loss_vocab not in ("all", "draft"):
             raise CloverError(f"loss_vocab must be all or draft, got {self.loss_vocab!r}")
+        weights = self.data_weights
+        if weights is not None and (
+            len(weights) != len(self.data_dirs)
+            or not all(isinstance(w, int) and w >= 1 for w in weights)
+        ):
+            raise CloverError(
+                f"data_weights must be one int >= 1 per data dir ({len(self.data_dirs)}), "
+                f"got {weights!r}"
+            )
         if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0 or self.draft_vocab % 16:
             raise CloverError(
                 f"draft_vocab must be 0 or a multiple of 16, not {self.draft_vocab!r}"
@@ -171,14 +183,20 @@ def lr_at(step: int, cfg: DrafterTrainConfig) -> float:
 
 
 def load_sets(cfg: DrafterTrainConfig) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, held-out prompts of trained kinds, held-out kinds)."""
+    """(train, held-out prompts of trained kinds, held-out kinds); a training answer comes as
+    many times as its directory's weight (`data_weights`)."""
 
-    records = [r for d in cfg.data_dirs for r in load_examples(d)]
-    records = [r for r in records if r["answer_ids"] and len(r["prompt_ids"]) + 2 <= cfg.max_len]
-    unseen = [r for r in records if r["kind"] in cfg.heldout_kinds]
-    seen = [r for r in records if r["kind"] not in cfg.heldout_kinds]
-    train = [r for r in seen if r["split"] == "train"]
-    heldout = [r for r in seen if r["split"] != "train"]
+    train, heldout, unseen = [], [], []
+    for d, weight in zip(cfg.data_dirs, cfg.data_weights or [1] * len(cfg.data_dirs)):
+        for r in load_examples(d):
+            if not r["answer_ids"] or len(r["prompt_ids"]) + 2 > cfg.max_len:
+                continue
+            if r["kind"] in cfg.heldout_kinds:
+                unseen.append(r)
+            elif r["split"] == "train":
+                train += [r] * weight
+            else:
+                heldout.append(r)
     if not train:
         raise CloverError(f"{cfg.data}: no training examples (run `clover data distill`)")
     return train, heldout[: cfg.eval_examples], unseen[: cfg.eval_examples]
@@ -265,7 +283,7 @@ def warm_cache(
         meta = {"target": fingerprint(target), "dtype": dtype, "layers": list(layers),
                 "max_len": max_len}  # fmt: skip
         _read_kept(keep, meta, cache, set(lengths))
-    todo = [r for r in records if cache.get(r["id"]) is None]
+    todo = list({r["id"]: r for r in records if cache.get(r["id"]) is None}.values())
     todo.sort(key=lambda r: lengths[r["id"]])
     bar = None
     if progress and todo:
