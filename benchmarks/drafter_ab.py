@@ -1,11 +1,13 @@
 """Two drafters of one model side by side on requests none of them trained on, per prompt.
 
 Usage: python benchmarks/drafter_ab.py NEW [--old DRAFTER] [--model M] [--prompt-set code]
-       [--tokens 384] [--reps 2] [--old-vocab N] [--new-vocab N] [--out FILE]
+       [--tokens 384] [--reps 2] [--old-vocab N[+drafter]] [--new-vocab N[+drafter]]
+       [--out FILE]
 
 A drafter is a drafter file or a smaller model of the same tokenizer (`--drafter`); a draft
 model's side may draft from its first N ids (`--old-vocab`, `--new-vocab`: its
-`draft_vocab`, 0 every id), so one draft model with two draft vocabularies can be compared.
+`draft_vocab`, 0 every id) and, given as N+drafter, its shipped drafter's ids too (its
+`draft_ids`, the default), so one draft model with two draft vocabularies can be compared.
 The model is loaded twice, once with each drafter (OLD: the model's shipped one unless given);
 every prompt runs `ar` and the model's default decoding with each drafter, greedy, answers
 ending at EOS or `--tokens`, prefix cache off, in an order that rotates between repetitions so
@@ -58,8 +60,9 @@ def main() -> int:
     p.add_argument("--prompt-set", choices=sorted(SETS), default="code")
     p.add_argument("--tokens", type=int, default=384)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--old-vocab", type=int, help="a draft model's draft_vocab on the OLD side")
-    p.add_argument("--new-vocab", type=int, help="the same on the NEW side")
+    p.add_argument("--old-vocab", help="a draft model's draft_vocab on the OLD side: N, or "
+                   "N+drafter (with its shipped drafter's ids)")  # fmt: skip
+    p.add_argument("--new-vocab", help="the same on the NEW side")
     p.add_argument("--out")
     a = p.parse_args()
     record = machine()
@@ -68,9 +71,16 @@ def main() -> int:
     for name, vocab in (("old", a.old_vocab), ("new", a.new_vocab)):
         draft = llms[name].runtime.drafter
         if vocab is not None:
+            size, _, ids = vocab.partition("+")
             if not isinstance(draft, DiffusionLM):
                 p.error(f"--{name}-vocab: the {name} drafter is not a draft model")
-            draft.draft_vocab = vocab  # before its first draft: its head and costs follow it
+            if not size.isdigit() or ids not in ("", "drafter"):
+                p.error(f"--{name}-vocab: N or N+drafter, not {vocab!r}")
+            if ids and draft.draft_ids is None:
+                p.error(f"--{name}-vocab: the {name} draft model ships no drafter")
+            # before its first draft: its head (`Runtime.drafter_runner`) and costs follow
+            draft.draft_vocab = int(size)
+            draft.draft_ids = draft.draft_ids if ids else None
     for llm in llms.values():
         llm.set_prefix_cache(0)
     first = llms["old"]

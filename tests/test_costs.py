@@ -92,6 +92,29 @@ def test_costs_measured_once_and_cached(tmp_path, monkeypatch):
         assert cached_costs(model, "float32").verify_ms != again.verify_ms
 
 
+def test_every_drafter_of_a_model_reads_its_verify_costs(tmp_path, monkeypatch):
+    """The model's passes are timed once, whatever drafts for it: a draft model's table adds
+    its own file with its draft passes only, and two draft vocabularies compared side by side
+    (benchmarks/drafter_ab.py) read the same verify costs."""
+    from clover.decoding import timing
+
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path))
+    model, draft = tiny_model(seed=3), tiny_model(seed=5)
+    calls = []
+    real = timing.measure
+    monkeypatch.setattr(timing, "measure", lambda *a, **k: calls.append(k) or real(*a, **k))
+    alone = cached_costs(model, "float32")
+    with_draft = cached_costs(model, "float32", draft)
+    draft.draft_vocab = 16
+    other = cached_costs(model, "float32", draft)
+    assert with_draft.verify_ms == alone.verify_ms == other.verify_ms
+    assert with_draft.rows_ms == alone.rows_ms and with_draft.draft_ms and other.draft_ms
+    assert [c.get("verify", True) for c in calls] == [True, False, False]
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 3
+    assert cached_costs(model, "float32", draft).draft_ms == other.draft_ms  # read back
+    assert len(calls) == 3
+
+
 def test_lookup_drafts_grow_with_a_long_match():
     from clover.decoding.store import NgramIndex
 

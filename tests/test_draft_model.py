@@ -10,7 +10,7 @@ from clover.decoding.policies import SelfSpec
 from clover.decoding.runtime import Runtime
 from clover.errors import CloverError
 from tests.conftest import tiny_model
-from tests.test_drafter import decoded
+from tests.test_drafter import answer_in_batch, decoded
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
 
@@ -46,23 +46,13 @@ def test_the_model_drafting_for_itself_is_always_kept():
 def test_draft_model_rows_joining_a_running_batch_and_the_prefix_cache():
     """A drafting row joining a running batch, and one whose prompt comes from the prefix
     cache: the draft model reads their whole prompts at their first draft."""
-    from clover.decoding.loop import BatchDecoder
-    from clover.decoding.policies import make_policy
     from clover.decoding.prefix_cache import PrefixCache
 
     model = tiny_model(seed=4)
     policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
 
     def answer(prompt, prefix=None, join=None):
-        batch = BatchDecoder(Runtime(model, model, prefix))
-        rows = []
-        if join is not None:
-            rows.append(batch.add(join, make_policy("ar"), max_new_tokens=6))
-            batch.step()
-        rows.append(batch.add(prompt, policy, max_new_tokens=16))
-        while batch.active:
-            batch.step()
-        return rows[-1].result
+        return answer_in_batch(Runtime(model, model, prefix), policy, prompt, join)
 
     prompt = [7, 8, 9, 10, 11, 12, 13, 14]
     cold = answer(prompt)
@@ -107,6 +97,50 @@ def test_the_draft_vocabulary_is_the_first_ids_and_the_end_tokens():
     assert vocab[:20].tolist() == list(range(20)) and 60 in vocab.tolist()
     assert len(set(vocab.tolist())) == 32
     assert draft_vocabulary(config, 0) is None and draft_vocabulary(config, 50) is None
+    # and the ids its own drafter drafts (past the first ids; 70 is past the vocabulary)
+    more = draft_vocabulary(config, 20, torch.tensor([3, 40, 41, 60, 70]))
+    assert len(more) == 32 and {40, 41, 60} <= set(more.tolist()) and 70 not in more.tolist()
+    assert more[:20].tolist() == list(range(20)) and len(set(more.tolist())) == 32
+    assert draft_vocabulary(config, 20, torch.arange(20, 60)) is None  # no fewer than all
+
+
+def test_a_draft_model_drafts_its_shipped_drafters_ids(tiny_checkpoint, tmp_path, monkeypatch):
+    """A draft model whose registry entry ships a drafter file drafts that file's ids too
+    (`draft_ids`), and a runtime's head follows its draft vocabulary when that is changed
+    after the load (benchmarks/drafter_ab.py compares two)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from clover.checkpoints import loader
+    from clover.decoding.runtime import Runtime
+    from clover.models.drafter import drafter_vocabulary, new_drafter, save_drafter
+
+    target = tiny_model(seed=3)
+    drafter = new_drafter(target, "tiny", num_hidden_layers=1, block_size=4)
+    ids = list(range(4, 64, 4)) + [61]  # 16 ids
+    drafter.set_vocab(torch.tensor(sorted(ids)))
+    path = save_drafter(drafter, tmp_path / "d.safetensors", dtype=torch.float32)
+    assert drafter_vocabulary(path).tolist() == sorted(ids)
+    real = loader.load
+
+    def load(*args, **kw):  # the draft model's own load finds a registry entry with a drafter
+        out = real(*args, **kw)
+        if kw["drafter"] != "none":
+            return out
+        return replace(out, resolved=SimpleNamespace(entry=SimpleNamespace(drafter_path=path)))
+
+    monkeypatch.setattr(loader, "load", load)
+    draft = real(str(tiny_checkpoint), dtype="float32", progress=False,
+                 drafter=str(tiny_checkpoint)).drafter_model  # fmt: skip
+    assert draft.draft_ids.tolist() == sorted(ids)
+    draft.draft_vocab = 8
+    runtime = Runtime(target, draft)
+    vocab = runtime.drafter_runner().vocab.tolist()
+    assert set(range(8)) | {61} <= set(vocab) and len(vocab) % 16 == 0
+    draft.draft_ids = None
+    assert runtime.drafter_runner().vocab.tolist() == list(range(16))
+    draft.draft_vocab = 0
+    assert runtime.drafter_runner().vocab is None
 
 
 @pytest.mark.parametrize("head", [None, "int4", "int8"])

@@ -35,7 +35,7 @@ from clover.models import make_config
 from clover.models.adapter import keep_float32, load_adapter
 from clover.models.base import ConfigMixin, DiffusionLM
 from clover.models.clover import CloverModel, preset_config
-from clover.models.drafter import Drafter, load_drafter
+from clover.models.drafter import Drafter, drafter_vocabulary, load_drafter
 from clover.quant import quantize_linears, quantize_model, release_freed_memory, set_dots_x
 from clover.tokenizer import Tokenizer
 
@@ -359,6 +359,9 @@ def _draft_model(name: str, target: DiffusionLM, tokenizer: Tokenizer, dtype: st
         )
     if not getattr(draft.config, "shifted", True):  # its logits are not next-token ones
         raise CloverError(f"drafter {name}: a model without token shift cannot draft")
+    entry = loaded.resolved.entry if loaded.resolved is not None else None
+    if entry is not None and entry.drafter_path is not None:  # its answers' commonest tokens
+        draft.draft_ids = drafter_vocabulary(Path(entry.drafter_path))
     return draft
 
 

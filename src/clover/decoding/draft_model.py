@@ -9,11 +9,14 @@ committed tokens, so drafts never stay in it. A row that does not draft for a wh
 nothing: its next draft pass is wider instead. Verification is the same as for any drafter:
 exact, whatever the draft model says.
 
-Its drafts come from the head's rows of the vocabulary's first `draft.draft_vocab` ids and its
-end tokens (`draft_vocabulary`): byte-level BPE numbers its tokens in merge order, the common
-ones first, and the whole head over a 151,936-token vocabulary adds about 40% to a 0.5B model's
-one-token pass. A token past them is never drafted; wherever the whole head's likeliest token
-is among them, the draft is that token.
+Its drafts come from the head's rows of the vocabulary's first `draft.draft_vocab` ids, its
+end tokens and the ids its own shipped drafter drafts (`draft.draft_ids`; `draft_vocabulary`):
+byte-level BPE numbers its tokens in merge order, the common ones first, and the whole head over
+a 151,936-token vocabulary adds about 40% to a 0.5B model's one-token pass. Merge order is not
+use, though: a code fence, "```", is id 73,594, past the first 32,768 ids, and a draft chain
+stops at every fence it cannot draft; the shipped drafter's ids are the commonest of its
+model's answers. A token past them all is never drafted; wherever the whole head's likeliest
+token is among them, the draft is that token.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class ModelDraftRunner(DrafterRunner):
     def vocab_head(draft: DiffusionLM) -> tuple:
         """(the draft model's head over `draft_vocabulary`, those ids), or (None, None): the
         whole head (a vocabulary no larger, or a head the kernel cannot cut)."""
-        vocab = draft_vocabulary(draft.config, draft.draft_vocab)
+        vocab = draft_vocabulary(draft.config, draft.draft_vocab, draft.draft_ids)
         if vocab is None:
             return None, None
         with torch.inference_mode():
@@ -78,16 +81,10 @@ class ModelDraftRunner(DrafterRunner):
             self.drafter(ids.to(self.drafter.device), self.cache, "causal")
         self.fed = [f + tokens for f in self.fed]
 
-    def add_row(self, cache: ModelCache = None) -> None:
-        cache = cache if cache is not None else self.make_cache()
-        self.cache = cache if self.cache is None else self.cache.extend(cache)
+    def _row_added(self, cache: ModelCache) -> None:
         self.fed.append(int(cache.lengths[0]))
 
-    def select(self, keep: list[int]) -> None:
-        if not keep:
-            self.cache = None
-        else:
-            self.cache.select(keep)
+    def _rows_kept(self, keep: list[int]) -> None:
         self.fed = [self.fed[k] for k in keep]
 
     def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
@@ -139,16 +136,22 @@ class ModelDraftRunner(DrafterRunner):
         return (self.drafter.logits(h) if self.head is None else self.head(h)).float()
 
 
-def draft_vocabulary(config: object, size: int) -> torch.Tensor | None:
-    """The ids a draft model drafts: the first `size` and its end tokens, padded with the next
-    ids to a multiple of 16 rows (the kernel's tile); None: every id (`size` 0, or no fewer)."""
+def draft_vocabulary(config: object, size: int,
+                     extra: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+    """The ids a draft model drafts: the first `size`, its end tokens and the `extra` ids,
+    padded with the next ids to a multiple of 16 rows (the kernel's tile); None: every id
+    (`size` 0, or no fewer)."""
     V = config.vocab_size
     if not size or size >= V - 16:
         return None
-    ends = sorted({e for e in config.eos_token_ids if size <= e < V})
-    n = size + len(ends)
-    pad = [i for i in range(size, V) if i not in ends][: -n % 16]
-    return torch.tensor(sorted([*range(size), *pad, *ends]))
+    more = {e for e in config.eos_token_ids if size <= e < V}
+    if extra is not None:
+        more |= {i for i in extra.tolist() if size <= i < V}
+    n = size + len(more)
+    if n >= V - 16:
+        return None
+    pad = [i for i in range(size, V) if i not in more][: -n % 16]
+    return torch.tensor(sorted([*range(size), *pad, *more]))
 
 
 def runner_for(model: torch.nn.Module, drafter: torch.nn.Module,

@@ -35,6 +35,7 @@ class Runtime:
         self._acceptance: dict[tuple[str, int], Acceptance] = {}
         self._costs: dict[bool, PassCosts] = {}
         self._vocab_head: tuple | None = None
+        self._vocab_key: tuple | None = None  # a draft model's vocabulary that head is for
 
     def ngram_store(self) -> NgramStore:
         """The model's n-gram store (made on first use)."""
@@ -71,12 +72,15 @@ class Runtime:
         """A runner of the drafter over a batch's rows; the LM head's rows of the drafter's
         vocabulary are made once per runtime (they read most of the head's tiles: made per
         batch they would cost every request that time)."""
-        if self._vocab_head is None:
+        if isinstance(self.drafter, DiffusionLM):  # its vocabulary may be set after the load
+            ids = self.drafter.draft_ids
+            key = (self.drafter.draft_vocab, None if ids is None else tuple(ids.tolist()))
+            if key != self._vocab_key:
+                self._vocab_head, self._vocab_key = ModelDraftRunner.vocab_head(self.drafter), key
+        elif self._vocab_head is None:
             if isinstance(self.drafter, Drafter) and self.drafter.vocab is not None:
                 with torch.inference_mode():
                     self._vocab_head = DrafterRunner.vocab_head(self.model, self.drafter)
-            elif isinstance(self.drafter, DiffusionLM):
-                self._vocab_head = ModelDraftRunner.vocab_head(self.drafter)
         return runner_for(self.model, self.drafter, self._vocab_head)
 
 

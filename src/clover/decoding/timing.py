@@ -1,6 +1,7 @@
 """Timing this machine's passes: a causal pass of each width (alone and batched) and a drafter
 pass of each length, measured once per model, precision, threads, device and kernel build,
-then kept in the user cache (`costs.PassCosts` is what the decoder reads from them).
+then kept in the user cache: the model's passes in one file, each drafter's in its own
+(`costs.PassCosts` is what the decoder reads from them).
 """
 
 from __future__ import annotations
@@ -49,29 +50,31 @@ def costs_path(key: str) -> Path:
 
 
 def measure(model: torch.nn.Module, drafter: torch.nn.Module | None = None, reps: int = 5,
-            widths: tuple[int, ...] = WIDTHS, batches: bool = True) -> PassCosts:  # fmt: skip
+            widths: tuple[int, ...] = WIDTHS, batches: bool = True,
+            verify: bool = True) -> PassCosts:  # fmt: skip
     """Time causal passes of each width over a cache of 256 tokens (the bench harness), and
-    with `batches` the few widths batched rows draft at."""
+    with `batches` the few widths batched rows draft at; with `drafter`, its passes by draft
+    length too (`verify` False: only those)."""
     cached = min(256, model.context_length // 2)  # what a typical prompt leaves in the cache
     widths = tuple(w for w in widths if cached + w <= model.context_length)
-    # the fastest of the repetitions: what the machine can do (other work only slows a run,
-    # and a table measured under load would be kept, and mislead, for good)
-    timed = pass_costs(model, list(widths), 1, cached, reps, best=True)
-    verify = {w: r["ms"] for w, r in timed.items()}
-    rows_ms = {}
-    if batches:
-        small = [w for w in BATCH_WIDTHS if cached + w <= model.context_length]
-        for rows in BATCH_ROWS:
+    small = [w for w in BATCH_WIDTHS if cached + w <= model.context_length]
+    verify_ms: dict[int, float] = {}
+    rows_ms: dict[int, dict[int, float]] = {}
+    if verify:
+        # the fastest of the repetitions: what the machine can do (other work only slows a
+        # run, and a table measured under load would be kept, and mislead, for good)
+        timed = pass_costs(model, list(widths), 1, cached, reps, best=True)
+        verify_ms = {w: r["ms"] for w, r in timed.items()}
+        for rows in BATCH_ROWS if batches else ():
             timed = pass_costs(model, small, rows, cached, reps, best=True)
             rows_ms[rows] = {w: r["ms"] for w, r in timed.items()}
     draft: dict[int, float] = {}
     draft_rows: dict[int, dict[int, float]] = {}
     if drafter is not None:
         draft = _draft_costs(model, drafter, 1, cached, reps, widths)
-        if batches:
-            for rows in BATCH_ROWS:
-                draft_rows[rows] = _draft_costs(model, drafter, rows, cached, reps, BATCH_WIDTHS)
-    return PassCosts(verify, draft, rows_ms, draft_rows)
+        for rows in BATCH_ROWS if batches else ():
+            draft_rows[rows] = _draft_costs(model, drafter, rows, cached, reps, BATCH_WIDTHS)
+    return PassCosts(verify_ms, draft, rows_ms, draft_rows)
 
 
 def _draft_costs(model: torch.nn.Module, drafter: torch.nn.Module, rows: int, cached: int,
@@ -96,15 +99,28 @@ def _draft_costs(model: torch.nn.Module, drafter: torch.nn.Module, rows: int, ca
 
 def cached_costs(model: torch.nn.Module, label: str,
                  drafter: torch.nn.Module | None = None) -> PassCosts:  # fmt: skip
-    """The cost table for this model here, measured on first use and kept in the user cache."""
+    """The cost table for this model here, measured on first use and kept in the user cache:
+    the model's own passes in one file, a drafter's in another, so every drafter of a model
+    (and a comparison of two) reads the same verify costs."""
+    ours = _kept(costs_key(model, label), ("verify_ms", "rows_ms"), model, None)
+    if drafter is None:
+        return ours
     if isinstance(drafter, Drafter):  # its shape and head decide its pass's cost
         c = drafter.config
         label += f"|drafter:{c.target_fingerprint}:{c.num_hidden_layers}:{c.draft_vocab}"
-    elif drafter is not None:  # a draft model: its own weights and head
+    else:  # a draft model: its own weights and head
         weights = next(drafter.parameters()).dtype
         label += f"|draft-model:{fingerprint(drafter)}:{_head_label(drafter)}:{weights}"
-        label += f":vocab{drafter.draft_vocab}"
-    key = costs_key(model, label)
+        extra = drafter.draft_ids
+        label += f":vocab{drafter.draft_vocab}" + ("" if extra is None else f"+{len(extra)}")
+    theirs = _kept(costs_key(model, label), ("draft_ms", "draft_rows_ms"), model, drafter)
+    return PassCosts(ours.verify_ms, theirs.draft_ms, ours.rows_ms, theirs.draft_rows_ms)
+
+
+def _kept(key: str, fields: tuple[str, str], model: torch.nn.Module,
+          drafter: torch.nn.Module | None) -> PassCosts:  # fmt: skip
+    """The two tables `fields` of the file `key`, measured (the model's passes, or with
+    `drafter` its drafter's only) and written there when it has none."""
     path = costs_path(key)
 
     def ints(table: dict) -> dict:
@@ -112,15 +128,13 @@ def cached_costs(model: torch.nn.Module, label: str,
 
     try:
         d = json.loads(path.read_text())
-        return PassCosts(ints(d["verify_ms"]), ints(d.get("draft_ms", {})), ints(d["rows_ms"]),
-                         ints(d.get("draft_rows_ms", {})))  # fmt: skip
+        return PassCosts(**{"verify_ms": {}, **{f: ints(d[f]) for f in fields}})
     except (OSError, ValueError, KeyError):  # (a table from before batches: timed again)
         pass
     print("clover: timing this machine's passes by width, once (draft lengths follow them)",
           file=sys.stderr)  # fmt: skip
-    costs = measure(model, drafter)
-    table = {"verify_ms": costs.verify_ms, "draft_ms": costs.draft_ms,
-             "rows_ms": costs.rows_ms, "draft_rows_ms": costs.draft_rows_ms}  # fmt: skip
+    costs = measure(model, drafter, verify=drafter is None)
+    table = {f: getattr(costs, f) for f in fields}
     atomic_write_text(path, json.dumps(table), durable=False)  # remade if lost
     return costs
 

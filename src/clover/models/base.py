@@ -68,6 +68,9 @@ class DiffusionLM(nn.Module):
     # drafting for another model (`--drafter MODEL`), its drafts come from its head's rows of
     # this many first ids and its end tokens (`decoding.draft_model`); 0: every id
     draft_vocab: int = 32768
+    # and of these ids (None: none): its own shipped drafter's vocabulary, the tokens its
+    # answers use most, some of them far past the first ids (the loader sets it)
+    draft_ids: torch.Tensor | None = None
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         raise NotImplementedError

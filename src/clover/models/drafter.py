@@ -501,6 +501,14 @@ def read_drafter_config(path: Path) -> DrafterConfig:
     return DrafterConfig(**d)
 
 
+def drafter_vocabulary(path: Path) -> torch.Tensor | None:
+    """The token ids the drafter file `path` drafts from (None: every id), read alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("draft_vocab") if "draft_vocab" in f.keys() else None
+
+
 def load_drafter(
     path: Path,
     target: nn.Module | None = None,
