@@ -20,9 +20,10 @@ async function checkHealth() {
   try {
     const res = await fetch("/health");
     const body = await res.json();
+    // the model's name first: the dot turns ready once the page can send to it
+    if (res.ok && !modelId) await loadModel();
     dot.className = "dot " + (res.ok ? "ready" : "busy");
     dot.title = body.status;
-    if (res.ok && !modelId) await loadModel();
   } catch {
     dot.className = "dot down";
     dot.title = "unreachable";
