@@ -328,6 +328,10 @@ def test_cli_speed_and_quality_with_an_adapter_and_a_drafter(tiny_checkpoint, tm
     passes = summary["self_spec:2"]["verify_passes"]  # what each pass kept, as speed reports it
     assert sum(passes["kept_per_pass_histogram"].values()) == passes["passes_with_a_draft"] > 0
     assert 1 <= passes["mean_tokens_per_verify_pass"] <= 3
+    by_kind = summary["self_spec:2"]["verify_passes_by_kind"]  # the suite's kinds, apart
+    assert sum(p["passes_with_a_draft"] for p in by_kind.values() if p) == passes[
+        "passes_with_a_draft"]  # fmt: skip
+    assert summary["ar"]["verify_passes_by_kind"] == dict.fromkeys(by_kind)
     rc = main(["bench", "speed", "-m", str(tiny_checkpoint), "--adapter",
                str(tmp_path / "none.safetensors"), "--no-rss"])  # fmt: skip
     assert rc == 1 and "none.safetensors not found" in capsys.readouterr().err

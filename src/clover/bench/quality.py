@@ -189,6 +189,7 @@ def run_quality(
                     "output_tokens": c.output_tokens,
                     "nfe": c.nfe,
                     "finish_reason": c.finish_reason,
+                    "accepted": list(c.accepted),
                 }
                 if i == trace_at:
                     traces[config.name] = {
@@ -287,4 +288,9 @@ def _summarize(name: str, per_item: list[dict], total: dict) -> dict:
             for source, (d, k) in sorted(total["drafts"].items())
         },
         "verify_passes": verify_passes(total["accepted"]),
+        "verify_passes_by_kind": {
+            k: verify_passes([a for kind, o in outs if kind == k for a in o["accepted"]])
+            for k in KINDS
+            if any(kind == k for kind, _ in outs)
+        },
     }

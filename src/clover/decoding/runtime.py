@@ -73,9 +73,11 @@ class Runtime:
         vocabulary are made once per runtime (they read most of the head's tiles: made per
         batch they would cost every request that time)."""
         if isinstance(self.drafter, DiffusionLM):  # its vocabulary may be set after the load
-            ids = self.drafter.draft_ids
-            key = (self.drafter.draft_vocab, None if ids is None else tuple(ids.tolist()))
-            if key != self._vocab_key:
+            # keyed by the ids tensor itself: a new vocabulary is a new tensor, and comparing
+            # its 16k ids on every batch would cost a millisecond
+            key = (self.drafter.draft_vocab, self.drafter.draft_ids)
+            old = self._vocab_key
+            if old is None or key[0] != old[0] or key[1] is not old[1]:
                 self._vocab_head, self._vocab_key = ModelDraftRunner.vocab_head(self.drafter), key
         elif self._vocab_head is None:
             if isinstance(self.drafter, Drafter) and self.drafter.vocab is not None:
