@@ -57,6 +57,12 @@ def test_suite_file_has_150_items_in_four_kinds():
                 re.compile(it["regex"])
     short = load_suite(limit=8)  # kinds in turn
     assert [i["kind"] for i in short] == list(KINDS) * 2
+    code = load_suite(kinds=("code",))  # one kind: its items in file order
+    assert code == [i for i in items if i["kind"] == "code"]
+    assert [i["kind"] for i in load_suite(limit=3, kinds=("math", "fact"))] == [
+        "math", "fact", "math"]  # fmt: skip
+    with pytest.raises(CloverError, match="unknown suite kinds"):
+        load_suite(kinds=("poetry",))
 
 
 def test_extract_number():

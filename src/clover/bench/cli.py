@@ -44,7 +44,7 @@ from clover.bench.speed import (
 from clover.checkpoints import BASE_MODEL, DEFAULT_MODEL
 from clover.checkpoints.registry import resolve
 from clover.data.bench_prompts import OPEN_CODE_PROMPTS, SPEED_PROMPTS
-from clover.data.suite import load_suite
+from clover.data.suite import KINDS, load_suite
 from clover.decoding.policies import Source, draft_sources
 from clover.engine import LLM
 from clover.errors import CloverError
@@ -286,7 +286,7 @@ def cmd_quality(a: argparse.Namespace) -> int:
         a.limit = a.limit or 8
     text = a.configs or "ar,low_confidence:32:0.95,self_spec:4,self_spec:4:lookup,default"
     parse_configs(text)  # checked before the load
-    items = load_suite(a.suite, limit=a.limit)
+    items = load_suite(a.suite, limit=a.limit, kinds=tuple(a.kinds.split(",")))
     llm = LLM(a.model, dtype=a.dtype, progress=False, adapter=a.adapter, drafter=a.drafter,
               store=a.store)  # fmt: skip
     configs = parse_configs(text, DecoderConfig.model_default(llm.config))
@@ -486,6 +486,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the store keeps its seed only (default: each setting's store also "
                    "learns from its own earlier answers, as a server's would)")  # fmt: skip
     q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
+    q.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma list of the suite's kinds to run (default {','.join(KINDS)})")  # fmt: skip
     q.add_argument("--max-tokens", type=int, default=128)
     q.add_argument("--batch-size", type=int, default=8, help="items decoded together (8)")
     q.add_argument("--reference", default=BASE_MODEL,

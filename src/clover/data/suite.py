@@ -19,9 +19,13 @@ def default_suite_path() -> Path:
     return here if here.is_file() else Path("benchmarks") / "suites" / SUITE
 
 
-def load_suite(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
-    """Items of a suite file; `limit` keeps the first N of each kind in turn (so a short run
-    still covers every kind)."""
+def load_suite(path: str | Path | None = None, limit: int | None = None,
+               kinds: tuple[str, ...] = KINDS) -> list[dict]:  # fmt: skip
+    """Items of a suite file of the given kinds; `limit` keeps the first N of each kind in turn
+    (so a short run still covers every kind)."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise CloverError(f"unknown suite kinds {unknown}: choose from {', '.join(KINDS)}")
     path = Path(path) if path else default_suite_path()
     if not path.is_file():
         raise CloverError(f"suite file not found: {path}")
@@ -32,7 +36,8 @@ def load_suite(path: str | Path | None = None, limit: int | None = None) -> list
         item = json.loads(line)
         if item.get("kind") not in KINDS or not item.get("prompt") or not item.get("id"):
             raise CloverError(f"{path}:{n}: an item needs id, prompt and kind in {KINDS}")
-        items.append(item)
+        if item["kind"] in kinds:
+            items.append(item)
     if limit is not None:
         by_kind = {k: [i for i in items if i["kind"] == k] for k in KINDS}
         rounds = [by_kind[k][j] for j in range(len(items)) for k in KINDS if j < len(by_kind[k])]
