@@ -9,8 +9,9 @@ chat template, one streamed answer, the model's prefix cache keeping the earlier
 scripted user lines; the answers join the history as they do in the terminal. The same
 conversation (the same prompts: the first pass's answers) is then replayed with the cache
 off. Reported per turn: prompt tokens, cached tokens, time to first text with and without the
-cache, and whether both answers are identical. Target (issue 21): turn 5's time to first
-text within 2x of turn 1's, with the cache. Greedy decoding, the model's default decoder.
+cache, each whole turn's seconds and tokens/s, and whether both answers are identical. Target
+(issue 21): turn 5's time to first text within 2x of turn 1's, with the cache. Greedy
+decoding, the model's default decoder.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def main() -> None:
             "ttft_s": round(w.ttft, 3),
             "ttft_no_cache_s": round(c.ttft, 3),
             "output_tokens": w.output_tokens,
+            "seconds": round(w.seconds, 3),
+            "seconds_no_cache": round(c.seconds, 3),
+            "tokens_per_s": round(w.tokens_per_s, 2),
             "identical": w.token_ids == c.token_ids,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)

@@ -67,6 +67,54 @@ def test_draft_model_rows_joining_a_running_batch_and_the_prefix_cache():
     assert warm.tokens == cold.tokens and warm.drafts == cold.drafts
 
 
+def test_draft_model_resumes_from_its_own_prefix_cache():
+    """Beside the model's prefix cache the draft model keeps its own: a repeated prompt and a
+    conversation's next turn resume the draft model's cache there instead of reading the
+    whole prompt again. The model drafting for itself keeps every draft, so a restored
+    position that differed from the one read afresh would show as a lost draft."""
+    from clover.decoding.prefix_cache import PrefixCache
+
+    model = tiny_model(seed=4)
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    prompt = [(7 * i) % 50 + 3 for i in range(40)]
+    cold = answer_in_batch(Runtime(model, model), policy, prompt)
+    cache = PrefixCache(64 * 2**20)
+    runtime = Runtime(model, model, cache)
+    first = answer_in_batch(runtime, policy, prompt)
+    assert cache.draft is not None and cache.draft.stats.cached_tokens == 0
+    again = answer_in_batch(runtime, policy, prompt)
+    assert cache.draft.stats.cached_tokens >= 32  # two 16-token blocks of the draft's cache
+    for r in (first, again):
+        assert r.tokens == cold.tokens and r.drafts == cold.drafts
+        assert r.drafts["drafter"][0] == r.drafts["drafter"][1] > 0
+    turn = [*prompt, *first.tokens, 9, 10, 11]  # the next turn reads the answer back too
+    before = cache.draft.stats.cached_tokens
+    nxt = answer_in_batch(runtime, policy, turn)
+    assert cache.draft.stats.cached_tokens - before >= 48
+    assert nxt.tokens == decoded(model, [turn], "ar", 16)[0].tokens
+    assert nxt.drafts["drafter"][0] == nxt.drafts["drafter"][1] > 0
+    # the draft logits of a resumed row are those of one that read its whole prompt
+    from types import SimpleNamespace
+
+    def draft_logits(prefix):
+        runner = ModelDraftRunner(model, model, prefix=prefix)
+        runner.add_row()
+        runner.take_context([SimpleNamespace(committed=prompt, pending=[5])], None, None, [True])
+        out = runner.draft(torch.tensor([5]), 4)
+        runner.select([])  # the row leaves: what it read goes into `prefix`
+        return out
+
+    own = PrefixCache(64 * 2**20)
+    fresh = draft_logits(own)
+    resumed = draft_logits(own)
+    assert own.stats.cached_tokens == 32
+    assert torch.allclose(resumed, fresh, atol=1e-5)
+    cache.clear()  # the draft model's goes with the model's
+    assert cache.draft.bytes == 0
+    # without the model's prefix cache the draft model keeps none either
+    assert answer_in_batch(Runtime(model, model), policy, prompt).tokens == cold.tokens
+
+
 def test_draft_model_trees_and_sampling_rows():
     """Tree policies make their trees from the draft model's chain logits; sampling rows draw
     their drafts from its distribution: greedy rows stay ar's, sampling rows run to length."""

@@ -131,7 +131,7 @@ class Batch:
         earlier rows saw (adaptive rows), the n-gram store."""
         sources, policy = row.sources, row.policy
         if sources.uses_drafter and self.drafting is None:
-            self.drafting = self.runtime.drafter_runner()
+            self.drafting = self.runtime.drafter_runner(cached=self.prefix is not None)
             for _ in self.active:  # rows already running draft otherwise: empty contexts
                 self.drafting.add_row()
         if policy.adaptive and (sources.looks_up or sources.uses_drafter):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from clover.decoding.drafting import DrafterRunner, Pick
+from clover.decoding.prefix_cache import PrefixCache
 from clover.models.base import DiffusionLM
 from clover.models.cache import ModelCache
 from clover.quant import head_rows, release_freed_memory
@@ -40,14 +41,22 @@ class ModelDraftRunner(DrafterRunner):
     PRIOR = 0.8
 
     def __init__(self, model: torch.nn.Module, draft: DiffusionLM,
-                 vocab_head: tuple | None = None) -> None:  # fmt: skip
-        """vocab_head: `vocab_head(draft)` made before (`Runtime` keeps one), else made here."""
+                 vocab_head: tuple | None = None,
+                 prefix: PrefixCache | None = None) -> None:  # fmt: skip
+        """vocab_head: `vocab_head(draft)` made before (`Runtime` keeps one), else made here.
+        prefix: the draft model's prefix cache (`PrefixCache.for_draft`): a row's first draft
+        resumes from the longest cached prefix of what it committed, and a row that leaves
+        saves what the draft model read of it."""
         self.model, self.drafter = model, draft
         self.layers: tuple[int, ...] = ()  # no target features: the draft reads tokens
         self.cache: ModelCache | None = None
         self.head, self.vocab = vocab_head or self.vocab_head(draft)
+        self.prefix = prefix
         self.fed: list[int] = []  # per row: its committed tokens in the draft model's cache
+        self.owners: list = []  # per row: the row it drafts for, once it drafted
+        self.pins: list = []  # per row: the prefix-cache block it holds
         self.rows: list | None = None  # the batch's rows, until the draft pass reads them
+        self.clean = True  # False while a draft pass runs: the cache may hold half of it
 
     @staticmethod
     def vocab_head(draft: DiffusionLM) -> tuple:
@@ -83,9 +92,43 @@ class ModelDraftRunner(DrafterRunner):
 
     def _row_added(self, cache: ModelCache) -> None:
         self.fed.append(int(cache.lengths[0]))
+        self.owners.append(None)
+        self.pins.append(None)
+
+    def select(self, keep: list[int]) -> None:
+        """Rows that leave save what the draft model read of them, then the rest stay."""
+        if self.prefix is not None:
+            for k in sorted(set(range(len(self.fed))) - set(keep)):
+                self._leave(k)
+        super().select(keep)
 
     def _rows_kept(self, keep: list[int]) -> None:
         self.fed = [self.fed[k] for k in keep]
+        self.owners = [self.owners[k] for k in keep]
+        self.pins = [self.pins[k] for k in keep]
+
+    def _leave(self, k: int) -> None:
+        """Row k's committed tokens in the draft model's cache into its prefix cache (unless a
+        draft pass was cut short), then its hold on the cache's chain goes."""
+        row, pin = self.owners[k], self.pins[k]
+        if row is not None and self.clean and self.fed[k]:
+            tokens = row.committed[: self.fed[k]]
+            partition = getattr(row, "partition", None)
+            pin = self.prefix.save(self.cache, k, tokens, {}, pin, partition)
+        self.prefix.release(pin)
+
+    def _resume(self, k: int, row: object) -> None:
+        """Row k's first draft: the longest cached prefix of what it committed, read back."""
+        self.owners[k] = row
+        if self.prefix is None or self.fed[k] or len(row.committed) < self.prefix.block_tokens:
+            return
+        partition = getattr(row, "partition", None)
+        hit = self.prefix.lookup(row.committed, len(row.committed), self.prefix.recurrent,
+                                 partition)  # fmt: skip
+        if hit.length:
+            self.prefix.restore(hit, self.cache, k)
+            self.pins[k] = self.prefix.hold(hit)
+            self.fed[k] = hit.length
 
     def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
                      now: list[bool]) -> None:  # fmt: skip
@@ -98,6 +141,9 @@ class ModelDraftRunner(DrafterRunner):
         uncommitted. Without rows (timing passes): just `first`."""
         if self.rows is None:
             return [[t] for t in first.tolist()], [1] * len(first)
+        for k, r in enumerate(self.rows):
+            if self.owners[k] is None:
+                self._resume(k, r)
         back = [max(0, f - len(r.committed)) for f, r in zip(self.fed, self.rows)]
         if any(back):  # (never by the loop: committed stays exact)
             self.cache.rollback(torch.tensor(back))
@@ -112,6 +158,7 @@ class ModelDraftRunner(DrafterRunner):
         (`_feeds`), each later one the draft before."""
         B, dm = len(first), self.drafter
         feeds, tails = self._feeds(first)
+        self.clean = False
         n = torch.tensor([len(f) for f in feeds])
         T = int(n.max())
         ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dm.device)
@@ -126,6 +173,7 @@ class ModelDraftRunner(DrafterRunner):
                     last = dm(picked[:, None].to(dm.device), self.cache, "causal")[:, -1]
             # the drafts and the pending tokens leave the cache: it keeps committed tokens only
             self.cache.rollback(torch.tensor(tails) + (width - 2))
+        self.clean = True
         self.fed = [f + len(feed) - t for f, feed, t in zip(self.fed, feeds, tails)]
         self.rows = None
         return out
@@ -155,9 +203,11 @@ def draft_vocabulary(config: object, size: int,
 
 
 def runner_for(model: torch.nn.Module, drafter: torch.nn.Module,
-               vocab_head: tuple | None = None) -> DrafterRunner:  # fmt: skip
+               vocab_head: tuple | None = None,
+               prefix: PrefixCache | None = None) -> DrafterRunner:  # fmt: skip
     """The runner of `drafter` over a batch's rows: a trained drafter's (`DrafterRunner`) or a
-    draft model's."""
+    draft model's (with its own prefix cache beside `prefix`, the model's)."""
     if isinstance(drafter, DiffusionLM):
-        return ModelDraftRunner(model, drafter, vocab_head)
+        own = prefix.for_draft(drafter, model) if prefix is not None else None
+        return ModelDraftRunner(model, drafter, vocab_head, own)
     return DrafterRunner(model, drafter, vocab_head)

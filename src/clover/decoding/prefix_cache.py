@@ -80,6 +80,7 @@ class PrefixCache:
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
+        self.draft: PrefixCache | None = None  # a draft model's (`for_draft`)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity_mb: float | None = None) -> PrefixCache:
@@ -96,16 +97,21 @@ class PrefixCache:
                 raise CloverError(f"--prefix-cache-mb must be >= 0, got {capacity_mb}")
             capacity = int(capacity_mb * 2**20)
         block = 16
-        with torch.device("meta"):  # shapes only: no memory for the probe
-            layers = model.make_layer_caches(1)
-            for c in layers:
-                c.reserve(1)
-            state = sum(nbytes(list(c.copy_out(0, 0, 0))) for c in layers if c.recurrent)
-            kv = sum(nbytes(list(c.copy_out(0, 0, 1))) for c in layers if not c.recurrent)
+        state, kv, recurrent = _state_bytes(model)
         every = max(256, -(-state // max(kv, 1)))
         every = -(-every // block) * block  # a whole number of blocks
-        recurrent = any(c.recurrent for c in layers)
         return cls(capacity, block_tokens=block, snapshot_every=every, recurrent=recurrent)
+
+    def for_draft(self, draft: torch.nn.Module, model: torch.nn.Module) -> PrefixCache:
+        """The draft model's own prefix cache beside this one, `model`'s (a smaller model
+        drafting as a whole reads each prompt at its first draft: a conversation's next turn
+        or a repeated system prompt resumes there too). Made on first use, cleared with this
+        one, with room for as many tokens."""
+        with self._lock:
+            if self.draft is None:
+                share = _state_bytes(draft)[1] / max(_state_bytes(model)[1], 1)
+                self.draft = PrefixCache.for_model(draft, self.capacity * share / 2**20)
+            return self.draft
 
     # --- lookup and restore -------------------------------------------------------------------
 
@@ -372,14 +378,28 @@ class PrefixCache:
             }
 
     def clear(self) -> None:
-        """Forget everything that no running row pins."""
+        """Forget everything that no running row pins (in the draft model's cache too)."""
         with self._lock:
+            if self.draft is not None:
+                self.draft.clear()
             for b in [*self.roots.values(), *self.table.values()]:
                 for snap in list(b.snaps.values()):
                     self._drop_snapshot(b, snap)
             for b in sorted(self.table.values(), key=lambda b: -b.end):  # children first
                 if not b.children and not b.refs:
                     self._drop_block(b)
+
+
+def _state_bytes(model: torch.nn.Module) -> tuple[int, int, bool]:
+    """(bytes of a row's recurrent states, bytes of one token's K/V, whether it has recurrent
+    layers) of `model`'s cache, from shapes only (no memory for the probe)."""
+    with torch.device("meta"):
+        layers = model.make_layer_caches(1)
+        for c in layers:
+            c.reserve(1)
+        state = sum(nbytes(list(c.copy_out(0, 0, 0))) for c in layers if c.recurrent)
+        kv = sum(nbytes(list(c.copy_out(0, 0, 1))) for c in layers if not c.recurrent)
+    return state, kv, any(c.recurrent for c in layers)
 
 
 def _memory_bytes() -> int:

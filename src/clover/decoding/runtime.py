@@ -68,10 +68,11 @@ class Runtime:
         for shared in self._acceptance.values():
             shared.relax()
 
-    def drafter_runner(self) -> DrafterRunner:
+    def drafter_runner(self, cached: bool = True) -> DrafterRunner:
         """A runner of the drafter over a batch's rows; the LM head's rows of the drafter's
         vocabulary are made once per runtime (they read most of the head's tiles: made per
-        batch they would cost every request that time)."""
+        batch they would cost every request that time). cached: a draft model keeps its own
+        prefix cache beside the model's (`PrefixCache.for_draft`), when there is one."""
         if isinstance(self.drafter, DiffusionLM):  # its vocabulary may be set after the load
             # keyed by the ids tensor itself: a new vocabulary is a new tensor, and comparing
             # its 16k ids on every batch would cost a millisecond
@@ -83,7 +84,8 @@ class Runtime:
             if isinstance(self.drafter, Drafter) and self.drafter.vocab is not None:
                 with torch.inference_mode():
                     self._vocab_head = DrafterRunner.vocab_head(self.model, self.drafter)
-        return runner_for(self.model, self.drafter, self._vocab_head)
+        prefix = self.prefix_cache if cached else None
+        return runner_for(self.model, self.drafter, self._vocab_head, prefix)
 
 
 def runtime_of(model: DiffusionLM | Runtime, prefix_cache: PrefixCache | None = None) -> Runtime:
