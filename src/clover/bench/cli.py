@@ -486,8 +486,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the store keeps its seed only (default: each setting's store also "
                    "learns from its own earlier answers, as a server's would)")  # fmt: skip
     q.add_argument("--limit", type=int, help="first N items, kinds in turn (quick: 8)")
-    kinds = ",".join(KINDS)
-    q.add_argument("--kinds", default=kinds, help=f"the suite's kinds to run (default {kinds})")
+    every = ",".join(KINDS)
+    q.add_argument("--kinds", default=every, help=f"the suite's kinds to run (default {every})")
     q.add_argument("--max-tokens", type=int, default=128)
     q.add_argument("--batch-size", type=int, default=8, help="items decoded together (8)")
     q.add_argument("--reference", default=BASE_MODEL,
