@@ -266,7 +266,7 @@ def test_draft_model_pass_costs_are_timed():
     longer drafts costing more."""
     from clover.decoding.timing import measure
 
-    costs = measure(tiny_model(seed=3), tiny_model(seed=5), reps=2, widths=(1, 2, 4, 8),
+    costs = measure(tiny_model(seed=3), tiny_model(seed=5), reps=5, widths=(1, 2, 4, 8),
                     batches=False)  # fmt: skip
     assert sorted(costs.draft_ms) == [2, 4, 8]
     assert costs.draft_ms[8] > costs.draft_ms[2] > 0
