@@ -82,6 +82,9 @@ def test_draft_model_resumes_from_its_own_prefix_cache():
     runtime = Runtime(model, model, cache)
     first = answer_in_batch(runtime, policy, prompt)
     assert cache.draft is not None and cache.draft.stats.cached_tokens == 0
+    # the two share the bound: here the same model, so half each
+    assert cache.capacity + cache.draft.capacity == cache.report()["capacity_bytes"] == 64 * 2**20
+    assert cache.draft.capacity == 32 * 2**20 and cache.report()["bytes"] > cache.bytes > 0
     again = answer_in_batch(runtime, policy, prompt)
     assert cache.draft.stats.cached_tokens >= 32  # two 16-token blocks of the draft's cache
     for r in (first, again):

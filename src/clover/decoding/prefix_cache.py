@@ -106,11 +106,15 @@ class PrefixCache:
         """The draft model's own prefix cache beside this one, `model`'s (a smaller model
         drafting as a whole reads each prompt at its first draft: a conversation's next turn
         or a repeated system prompt resumes there too). Made on first use, cleared with this
-        one, with room for as many tokens."""
+        one. The two share this one's bound, split by their K/V bytes a token so that each
+        has room for as many tokens (`report` counts both)."""
         with self._lock:
             if self.draft is None:
                 share = _state_bytes(draft)[1] / max(_state_bytes(model)[1], 1)
-                self.draft = PrefixCache.for_model(draft, self.capacity * share / 2**20)
+                own = int(self.capacity / (1 + share))
+                self.draft = PrefixCache.for_model(draft, (self.capacity - own) / 2**20)
+                self.capacity = own
+                self._make_room(0, [])
             return self.draft
 
     # --- lookup and restore -------------------------------------------------------------------
@@ -357,12 +361,13 @@ class PrefixCache:
     # --- reporting ----------------------------------------------------------------------------
 
     def report(self) -> dict[str, float]:
-        """Counters and sizes, for /metrics and benchmarks."""
+        """Counters and sizes, for /metrics and benchmarks (the memory figures include a
+        draft model's cache, `for_draft`)."""
         with self._lock:
-            s = self.stats
+            s, d = self.stats, self.draft
             return {
-                "capacity_bytes": self.capacity,
-                "bytes": self.bytes,
+                "capacity_bytes": self.capacity + (d.capacity if d is not None else 0),
+                "bytes": self.bytes + (d.bytes if d is not None else 0),
                 "blocks": len(self.table),
                 "snapshots": self.snapshots,
                 "pinned_blocks": sum(1 for b in self.table.values() if b.refs),
