@@ -118,6 +118,43 @@ def test_draft_model_resumes_from_its_own_prefix_cache():
     assert answer_in_batch(Runtime(model, model), policy, prompt).tokens == cold.tokens
 
 
+def test_draft_model_reads_a_long_prompt_from_its_window(monkeypatch):
+    """A row's first draft reads at most max(`WINDOW`, `READ_PER_TOKEN` x the tokens it may
+    still write) committed tokens past what the draft model's prefix cache holds: the last
+    ones. Answers stay ar's; a windowed row's draft cache is not saved (it does not start at
+    the prompt's start)."""
+    from clover.decoding.prefix_cache import PrefixCache
+
+    model = tiny_model(seed=4)
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    prompt = [(7 * i) % 50 + 3 for i in range(40)]
+    ar = decoded(model, [prompt], "ar", 16)[0].tokens
+    read = []
+    forward = type(model).forward
+
+    def counting(self, ids, *args, **kwargs):
+        read.append(ids.shape[1])
+        return forward(self, ids, *args, **kwargs)
+
+    draft = tiny_model(seed=4)  # the same weights, its own forward counted
+    monkeypatch.setattr(type(draft), "forward", counting)
+    monkeypatch.setattr(ModelDraftRunner, "WINDOW", 8)
+    monkeypatch.setattr(ModelDraftRunner, "READ_PER_TOKEN", 0)
+    cache = PrefixCache(64 * 2**20)
+    runtime = Runtime(model, draft, cache)
+    read.clear()
+    windowed = answer_in_batch(runtime, policy, prompt)
+    assert windowed.tokens == ar and windowed.drafts["drafter"][0] > 0
+    # the target's passes are counted too (same class): the draft model's first pass is the
+    # window and the pending token, never the whole prompt
+    assert 9 in read and len(prompt) + 1 not in read
+    assert cache.draft.bytes == 0  # nothing saved from a windowed row
+    monkeypatch.setattr(ModelDraftRunner, "READ_PER_TOKEN", 3)  # 16 tokens to write: 48
+    read.clear()
+    whole = answer_in_batch(runtime, policy, prompt)
+    assert whole.tokens == ar and cache.draft.bytes > 0 and len(prompt) + 1 in read
+
+
 def test_draft_model_trees_and_sampling_rows():
     """Tree policies make their trees from the draft model's chain logits; sampling rows draw
     their drafts from its distribution: greedy rows stay ar's, sampling rows run to length."""
