@@ -102,7 +102,8 @@ def test_draft_model_resumes_from_its_own_prefix_cache():
     def draft_logits(prefix):
         runner = ModelDraftRunner(model, model, prefix=prefix)
         runner.add_row()
-        runner.take_context([SimpleNamespace(committed=prompt, pending=[5])], None, None, [True])
+        row = SimpleNamespace(committed=prompt, pending=[5], partition=None, max_new=0, answer=[])
+        runner.take_context([row], None, None, [True])
         out = runner.draft(torch.tensor([5]), 4)
         runner.select([])  # the row leaves: what it read goes into `prefix`
         return out

@@ -25,6 +25,7 @@ import torch
 
 from clover.decoding.drafting import DrafterRunner, Pick
 from clover.decoding.prefix_cache import PrefixCache
+from clover.decoding.rows import Row
 from clover.models.base import DiffusionLM
 from clover.models.cache import ModelCache
 from clover.quant import head_rows, release_freed_memory
@@ -126,11 +127,10 @@ class ModelDraftRunner(DrafterRunner):
         row, pin = self.owners[k], self.pins[k]
         if row is not None and self.clean and self.fed[k] and not self.skipped[k]:
             tokens = row.committed[: self.fed[k]]
-            partition = getattr(row, "partition", None)
-            pin = self.prefix.save(self.cache, k, tokens, {}, pin, partition)
+            pin = self.prefix.save(self.cache, k, tokens, {}, pin, row.partition)
         self.prefix.release(pin)
 
-    def _resume(self, k: int, row: object) -> None:
+    def _resume(self, k: int, row: Row) -> None:
         """Row k's first draft: the longest cached prefix of what it committed, read back; of
         more tokens past it than the row's window, only the last ones are read (the row's
         draft cache then starts there, and is not saved)."""
@@ -140,11 +140,9 @@ class ModelDraftRunner(DrafterRunner):
         n = len(row.committed)
         hit = None
         if self.prefix is not None and n >= self.prefix.block_tokens:
-            partition = getattr(row, "partition", None)
-            hit = self.prefix.lookup(row.committed, n, self.prefix.recurrent, partition)
+            hit = self.prefix.lookup(row.committed, n, self.prefix.recurrent, row.partition)
         start = hit.length if hit is not None else 0
-        left = getattr(row, "max_new", 0) - len(getattr(row, "answer", ()))
-        window = max(self.WINDOW, self.READ_PER_TOKEN * left)
+        window = max(self.WINDOW, self.READ_PER_TOKEN * (row.max_new - len(row.answer)))
         if n - start > window:
             self.skipped[k] = self.fed[k] = n - window
         elif start:
