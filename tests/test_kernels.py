@@ -28,8 +28,9 @@ def random_weight(kind: str, N: int, K: int, f16: bool, seed: int = 0) -> QWeigh
     g = torch.Generator().manual_seed(seed)
     bits, group, low = {"int4": (4, 32, True), "int8": (8, 32, False),
                         "int8g16": (8, 16, False), "int8low": (8, 32, True),
-                        "int5": (8, 32, False), "int5low": (8, 32, True)}[kind]  # fmt: skip
-    lo, hi = (0, 16) if bits == 4 else (-16, 16) if kind.startswith("int5") else (-128, 128)
+                        "int5": (8, 32, False), "int5low": (8, 32, True),
+                        "int6": (8, 16, False), "int6low": (8, 16, True)}[kind]  # fmt: skip
+    lo, hi = {"int4": (0, 16), "int5": (-16, 16), "int6": (-32, 32)}.get(kind[:4], (-128, 128))
     q = torch.randint(lo, hi, (N, K), generator=g)
     scale = torch.rand(N, K // group, generator=g) * 0.05 + 1e-3
     lows = torch.randn(N, K // group, generator=g) * 0.1 if low else None
@@ -40,7 +41,9 @@ def random_weight(kind: str, N: int, K: int, f16: bool, seed: int = 0) -> QWeigh
 
 
 @pytest.mark.parametrize("isa", available_isas())
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
+@pytest.mark.parametrize(
+    "kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low", "int6", "int6low"]
+)
 def test_qgemm_matches_reference(isa, kind, monkeypatch):
     monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
     monkeypatch.setenv("CLOVER_INT8_DOTS", "0")  # bfloat16 x at every width (next test: int8)
@@ -48,7 +51,7 @@ def test_qgemm_matches_reference(isa, kind, monkeypatch):
     for f16 in (True, False):
         w = random_weight(kind, N, K, f16)
         assert (w.scales.dtype == torch.float16) == f16
-        assert w.bits == {"int4": 4, "int5": 5, "int5low": 5}.get(kind, 8)
+        assert w.bits == {"int4": 4, "int5": 5, "int6": 6}.get(kind[:4], 8)
         bias = torch.randn(N)
         for M in ROWS:
             x = torch.randn(M, K)
@@ -100,7 +103,9 @@ def dot_isas() -> list[str]:
 @pytest.mark.skipif(not int8_dots_here(), reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("x_bits", [8, 15])
 @pytest.mark.parametrize("isa", dot_isas())
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low"])
+@pytest.mark.parametrize(
+    "kind", ["int4", "int8", "int8g16", "int8low", "int5", "int5low", "int6", "int6low"]
+)
 def test_int8_dots_match_their_reference(isa, kind, x_bits, monkeypatch):
     """Passes of up to int8_dots_rows (VNNI: 4, 16 with x on 8 bits; AVX2: 16) on the dots equal
     x rounded per group (8 bits for 4- and 5-bit weights unless $CLOVER_DOTS_X=15, else 15)
@@ -131,7 +136,7 @@ def test_int8_dots_match_their_reference(isa, kind, x_bits, monkeypatch):
                 assert not torch.equal(want, exact)
                 unrounded = x.double() @ w.dequantized().double().t() + bias.double()
                 wide = reference_dots_matmul(x, w, bias, 15)
-                if x_bits == 15 or w.bits == 8:  # 8-bit weights keep 15-bit x
+                if x_bits == 15 or w.bits >= 6:  # 6- and 8-bit weights keep 15-bit x
                     assert torch.equal(want, wide)
                     assert (want - exact).norm() < (exact - unrounded).norm()
                 else:  # a coarser x: further from exact than 15 bits, still close
@@ -155,7 +160,7 @@ def test_int8_dots_give_each_row_the_same_result_in_any_pass(isa, x_bits, monkey
     monkeypatch.setenv("CLOVER_DOTS_X", str(x_bits))
     monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
     rows = kernels.load().int8_dots_rows(kernels.isa())
-    for kind in ("int4", "int5", "int8g16", "int8low"):
+    for kind in ("int4", "int5", "int6", "int8g16", "int8low"):
         w = random_weight(kind, 64, 128, True)
         x = torch.randn(rows, 128)
         alone = torch.cat([w.matmul(x[i : i + 1], out_bf16=False) for i in range(rows)])
@@ -164,7 +169,7 @@ def test_int8_dots_give_each_row_the_same_result_in_any_pass(isa, x_bits, monkey
 
 
 @pytest.mark.skipif("avx2" not in dot_isas(), reason="no AVX2 on this CPU")
-@pytest.mark.parametrize("kind", ["int4", "int8g16", "int8low", "int5", "int5low"])
+@pytest.mark.parametrize("kind", ["int4", "int8g16", "int8low", "int5", "int5low", "int6"])
 def test_wide_avx2_passes_match_the_reference_and_give_each_row_one_result(kind, monkeypatch):
     """Passes wider than the integer dots take on AVX2 (qgemm_tiles_wide_avx2: float32 weights
     per tile, blocks of 6 rows, 96-row chunks, k in blocks of 256) equal the exact reference,
@@ -196,7 +201,7 @@ def test_int8_dots_on_avx2_equal_vnni_to_the_bit(x_bits, monkeypatch):
     same tokens on either CPU class."""
     monkeypatch.setenv("CLOVER_INT8_DOTS", "1")
     monkeypatch.setenv("CLOVER_DOTS_X", str(x_bits))
-    for kind in ("int4", "int8", "int8g16", "int8low", "int5", "int5low"):
+    for kind in ("int4", "int8", "int8g16", "int8low", "int5", "int5low", "int6", "int6low"):
         for f16 in (True, False):
             w = random_weight(kind, 48, 160, f16, seed=3)
             x = torch.randn(16, 160) * torch.rand(16, 160) * 4
@@ -209,6 +214,31 @@ def test_int8_dots_on_avx2_equal_vnni_to_the_bit(x_bits, monkeypatch):
                 assert torch.equal(vnni, avx2), (kind, f16, M)
                 monkeypatch.setenv("CLOVER_KERNEL_ISA", "avx512")
                 assert kernels.load().int8_dots_rows(kernels.isa()) >= M
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("dots", ["0", "1"])
+def test_6bit_levels_give_their_8bit_form_s_results_to_the_bit(isa, dots, monkeypatch):
+    """Levels in -32..31 in groups of 16 (GGUF Q6_K's) are stored in 6 bits, and every kernel
+    path reads them into the same products as their int8 form: the same outputs to the bit
+    at every width, on the integer dots (x on 8 bits asked for or not) and on bfloat16 x."""
+    from clover.kernels.qgemm import pack_int8
+
+    monkeypatch.setenv("CLOVER_KERNEL_ISA", isa)
+    monkeypatch.setenv("CLOVER_INT8_DOTS", dots)
+    for low, f16 in ((False, False), (False, True), (True, True)):
+        w6 = random_weight("int6low" if low else "int6", 64, 256, f16, seed=5)
+        assert w6.bits == 6 and w6.q.numel() == 64 * 256 * 6 // 8
+        w8 = QWeight(8, 16, 64, 256, pack_int8(w6.levels(), 16), w6.scales, mults=w6.mults,
+                     bases=w6.bases)  # fmt: skip
+        bias = torch.randn(64)
+        for M in (1, 2, 3, 4, 5, 9, 16, 17, 40):
+            x = torch.randn(M, 256)
+            for x_bits in (8, 15):
+                w6.x_bits = w8.x_bits = x_bits
+                want = w8.matmul(x, bias, out_bf16=False)
+                assert torch.equal(w6.matmul(x, bias, out_bf16=False), want), (low, f16, M)
+                assert torch.equal(w6.matmul(x, bias), w8.matmul(x, bias)), (low, f16, M)
 
 
 def k_quant_weight(affine: bool, N: int = 48, K: int = 512, seed: int = 0) -> QWeight:
@@ -363,16 +393,16 @@ def test_a_model_chooses_its_dots_x(monkeypatch):
 
 
 def test_packed_layout_round_trip():
-    for kind in ("int4", "int8", "int8g16", "int5"):
+    for kind in ("int4", "int8", "int8g16", "int5", "int6"):
         g = torch.Generator().manual_seed(1)
-        lo, hi = {"int4": (0, 16), "int5": (-16, 16)}.get(kind, (-128, 128))
+        lo, hi = {"int4": (0, 16), "int5": (-16, 16), "int6": (-32, 32)}.get(kind, (-128, 128))
         q = torch.randint(lo, hi, (32, 64), generator=g)
         q[0, :2] = torch.tensor([lo, hi - 1])  # both ends of the range
-        group = 16 if kind == "int8g16" else 32
+        group = 16 if kind in ("int8g16", "int6") else 32
         w = QWeight.from_levels(
             q, torch.ones(32, 64 // group), None, bits=4 if kind == "int4" else 8
         )
-        assert w.bits == {"int4": 4, "int5": 5}.get(kind, 8)
+        assert w.bits == {"int4": 4, "int5": 5, "int6": 6}.get(kind, 8)
         assert torch.equal(w.levels(), q.to(torch.int32))
 
 
@@ -382,7 +412,7 @@ def test_row_levels_read_only_their_tiles_and_equal_the_whole_matrix_s_rows():
     g = torch.Generator().manual_seed(2)
     rows = torch.tensor([70, 3, 3, 95, 16, 0, 64, 47])
     for bits, lo, hi, group, low in ((4, 0, 16, 32, True), (8, -128, 128, 16, False),
-                                     (8, -16, 16, 32, False)):  # fmt: skip
+                                     (8, -16, 16, 32, False), (8, -32, 32, 16, False)):  # fmt: skip
         q = torch.randint(lo, hi, (96, 64), generator=g)
         scale = torch.rand(96, 64 // group, generator=g) + 0.1
         lows = torch.randn(96, 64 // group, generator=g) if low else None

@@ -49,7 +49,7 @@ from clover.models import architecture, build_model, make_config
 from clover.models.base import DiffusionLM
 from clover.quant import Int4Part, int8_rows, quantize_int4, quantized_linear
 
-PACK_VERSION = 1
+PACK_VERSION = 2
 HEAD, TAIL = b"CLVPACK1", b"CLVPEND1"
 ALIGN = 64
 BLOCK_VALUES = 1 << 22  # a large matrix is packed about this many values of rows at a time

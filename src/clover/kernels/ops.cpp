@@ -122,12 +122,16 @@ void group_sums(const uint16_t* xb, int64_t M, int64_t K, int64_t group, float* 
 Packed make_packed(const at::Tensor& q, const at::Tensor& scales, int64_t bits, int64_t group,
                    bool has_low, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& mults, const c10::optional<at::Tensor>& bases) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
-  TORCH_CHECK(bits == 8 ? (group == 16 || group == 32) : group == 32, "unsupported group ", group);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(bits == 8   ? (group == 16 || group == 32)
+              : bits == 6 ? group == 16
+                          : group == 32,
+              "unsupported group ", group);
   TORCH_CHECK(N % 16 == 0 && K % group == 0, "N must be a multiple of 16 and K of the group");
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kByte, "q: contiguous uint8");
-  TORCH_CHECK(q.numel() == (bits == 4 ? N * K / 2 : bits == 5 ? N * K / 8 * 5 : N * K), "q holds ",
-              q.numel(), " bytes");
+  TORCH_CHECK(q.numel() == N / 16 * (K / group) * tile_bytes(static_cast<int>(bits),
+                                                              static_cast<int>(group)),
+              "q holds ", q.numel(), " bytes");
   TORCH_CHECK(scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "scales: contiguous float32 or float16");
@@ -189,7 +193,7 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<float> xd;
   std::vector<int32_t> xqs;
   if (M <= int8_dots_rows(isa)) {
-    a.x_planes = (isa & kX8) && w.bits != 8 ? 1 : 2;  // x on one 8-bit plane (kX8, 4/5 bits)
+    a.x_planes = (isa & kX8) && w.bits < 6 ? 1 : 2;  // x on one 8-bit plane (kX8, 4/5 bits)
     const bool vnni = dots_on_vnni(isa);
     const int64_t G = w.K / w.group;
     xq.resize(a.x_planes * M * w.K), xd.resize(M * G), xqs.resize(M * G);

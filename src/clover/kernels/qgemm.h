@@ -17,6 +17,9 @@
 //   int5 (group 32, levels -16..15: GGUF Q5_0's): q [NT, G, 320] bytes: the int4 layout of
 //     (level + 16) & 15, then 16 uint32 masks, one per pair p = 4c + j, whose bit w is
 //     (level + 16) >> 4 of that word's nibble j (5.5 bits a weight with float16 scales).
+//   int6 (group 16, levels -32..31: GGUF Q6_K's): q [NT, G, 192] bytes: the int4 layout of
+//     (level + 32) & 15 (two chunks for the group's 16 k), then 8 uint32 masks of bit 4 of
+//     level + 32, one per pair p = 4c + j as int5's, then 8 of bit 5 (6 bits a weight).
 //   int8 (group 16 or 32): q [NT, G, group / 2, 32] int8: byte w of pair p is row 16t + w / 2
 //     at k = group * g + 2p + w % 2.
 //   scales [NT, G, 16] (then lows [NT, G, 16] when present), float32 or float16.
@@ -28,8 +31,8 @@
 namespace clover {
 
 struct QGemm {
-  int bits = 4;           // 4, 5 or 8
-  int group = 32;         // k per scale: 32 for int4/int5; 16 or 32 for int8
+  int bits = 4;           // 4, 5, 6 or 8
+  int group = 32;         // k per scale: 32 for int4/int5, 16 for int6; 16 or 32 for int8
   bool has_low = true;    // affine levels (a low per group) or symmetric
   bool f16_scales = false;
   int64_t M = 0, N = 0, K = 0;
@@ -48,8 +51,8 @@ struct QGemm {
   const float* xd = nullptr;     // [M, G]: each group's step d (x ~ d * x_q)
   const int32_t* xqs = nullptr;  // [M, G]: sum of x_q per group
   // 4- and 5-bit weights on the dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
-  // -127..127, d = max |x| / 127; kernel path flag kX8). 8-bit weights keep 2 (their int16
-  // x_q takes the bytes of two planes): K * x_planes bytes of xq a row
+  // -127..127, d = max |x| / 127; kernel path flag kX8). 6- and 8-bit weights keep 2 (int8's
+  // int16 x_q takes the bytes of two planes): K * x_planes bytes of xq a row
   int x_planes = 2;
   // the integer dots only: the scales (and lows) as int8 multiples of a float32 base per 256
   // values of k (qgemm.py's `pack_compact`), read instead of `scales` when set: mults [NT, G,
@@ -76,8 +79,13 @@ inline QGemm row_block(const QGemm& a, int64_t r0, int64_t rows) {
   return b;
 }
 
+// Bytes of one tile's group (16 rows x `group` k) in the layout of `bits`
+constexpr int64_t tile_bytes(int bits, int group) {
+  return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 192 : 16 * group;
+}
+
 // Calls f(P, BITS, LOW, F16) with compile-time constants (std::integral_constant) for the
-// weights' format: P pairs of k per group (16; 8 for int8 in groups of 16), BITS 4, 5 or 8,
+// weights' format: P pairs of k per group (16; 8 for groups of 16), BITS 4, 5, 6 or 8,
 // affine levels (LOW) or not, float16 scales or not. Each instruction set instantiates its
 // kernel through this one switch.
 template <class F>
@@ -95,6 +103,8 @@ inline void dispatch_format(const QGemm& a, F&& f) {
     scales(I16{}, std::integral_constant<int, 4>{});
   else if (a.bits == 5)
     scales(I16{}, std::integral_constant<int, 5>{});
+  else if (a.bits == 6)
+    scales(std::integral_constant<int, 8>{}, std::integral_constant<int, 6>{});
   else if (a.group == 32)
     scales(I16{}, std::integral_constant<int, 8>{});
   else

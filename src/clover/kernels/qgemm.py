@@ -6,11 +6,12 @@ of k, with a scale (and, for affine formats, a low) per row and group:
 int4 levels are 0..15 in groups of 32 (GGUF Q4_0/Q4_1/Q4_K sub-blocks, our own quantization);
 int8 levels are -128..127 in groups of 16 or 32 (Q8_0, Q6_K, per-row int8 with the row's
 scale repeated); 8-bit levels in groups of 32 that all fit in -16..15 (Q5_0) are stored in 5
-bits (`bits` 5), which the kernel reads as such. Scales are stored in float16 when every scale
+bits (`bits` 5), and in groups of 16 that fit in -32..31 (Q6_K) in 6 (`bits` 6), which the
+kernel reads as such, to the bit as their int8 form. Scales are stored in float16 when every scale
 and low is exactly a float16 (then nothing is rounded and the weights read 12% fewer bytes at
 int4), else float32; float32 ones that are small integers times a base per 256 values (GGUF's
 Q4_K and Q6_K) are also kept as int8 multiples and bases (`pack_compact`), which the integer
-dots read instead: 4.75 bits a Q4_K weight instead of 6, 8.6 a Q6_K one instead of 10.
+dots read instead: 4.75 bits a Q4_K weight instead of 6, 6.6 a Q6_K one instead of 8.
 """
 
 from __future__ import annotations
@@ -23,27 +24,42 @@ from clover import kernels
 from clover.errors import CloverError
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """levels [N, K] in 0..15 -> uint8 [N/16, K/32, 256] (qgemm.h's int4 layout)."""
+def pack_int4(q: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """levels [N, K] in 0..15 -> uint8 [N/16, K/group, 8 group] (qgemm.h's int4 layout; its
+    groups of 16, the int6 layout's first part, are two chunks instead of four)."""
     N, K = q.shape
-    v = q.to(torch.int32).reshape(N // 16, 16, K // 32, 4, 4, 2)  # t, i, g, c, j, e
+    G, C = K // group, group // 8
+    v = q.to(torch.uint8).reshape(N // 16, 16, G, C, 4, 2)  # t, i, g, c, j, e
     v = v.permute(0, 2, 3, 1, 5, 4)  # t, g, c, i, e, j: word (i, e) holds nibbles j
-    words = v[..., 0] | v[..., 1] << 4 | v[..., 2] << 8 | v[..., 3] << 12
-    return words.to(torch.int16).contiguous().view(torch.uint8).reshape(N // 16, K // 32, 256)
+    bytes_ = torch.stack([v[..., 0] | v[..., 1] << 4, v[..., 2] | v[..., 3] << 4], -1)
+    return bytes_.reshape(N // 16, G, 8 * group)  # little-endian words
+
+
+def _bit_masks(bits: torch.Tensor, group: int) -> torch.Tensor:
+    """0/1 [N, K] -> uint8 [N/16, K/group, group / 2 pairs x 4 bytes]: one little-endian
+    32-bit mask per pair p = 4c + j of a tile's group, whose bit w is word w's (qgemm.h)."""
+    N, K = bits.shape
+    G, C = K // group, group // 8
+    v = bits.to(torch.uint8).reshape(N // 16, 16, G, C, 4, 2)  # t, i, g, c, j, e
+    v = v.permute(0, 2, 3, 4, 1, 5).reshape(N // 16, G, 4 * C, 4, 8)  # pair p, byte, bit
+    masks = (v << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # a byte each
+    return masks.reshape(N // 16, G, 16 * C)
 
 
 def pack_int5(q: torch.Tensor) -> torch.Tensor:
     """levels [N, K] in -16..15 -> uint8 [N/16, K/32, 320] (qgemm.h's int5 layout): the int4
     layout of the low 4 bits of level + 16, then one 32-bit mask of high bits per pair."""
-    N, K = q.shape
-    u = q.to(torch.int32) + 16
-    low = pack_int4(u & 15)
-    v = (u >> 4).reshape(N // 16, 16, K // 32, 4, 4, 2)  # t, i, g, c, j, e
-    v = v.permute(0, 2, 3, 4, 1, 5).reshape(N // 16, K // 32, 16, 32)  # pair p = 4c + j, word w
-    masks = (v.to(torch.int64) << torch.arange(32)).sum(-1)  # bit w of pair p's mask
-    masks = torch.stack([(masks >> (8 * b)) & 255 for b in range(4)], -1)  # little-endian
-    masks = masks.to(torch.uint8).reshape(N // 16, K // 32, 64)
-    return torch.cat([low, masks], -1).contiguous()
+    u = (q.to(torch.int16) + 16).to(torch.uint8)
+    return torch.cat([pack_int4(u & 15), _bit_masks(u >> 4, 32)], -1).contiguous()
+
+
+def pack_int6(q: torch.Tensor) -> torch.Tensor:
+    """levels [N, K] in -32..31 -> uint8 [N/16, K/16, 192] (qgemm.h's int6 layout, GGUF Q6_K's
+    levels in their groups of 16): the int4 layout of the low 4 bits of level + 32, then the
+    pair masks of bit 4, then those of bit 5."""
+    u = (q.to(torch.int16) + 32).to(torch.uint8)
+    parts = [pack_int4(u & 15, 16), _bit_masks(u >> 4 & 1, 16), _bit_masks(u >> 5, 16)]
+    return torch.cat(parts, -1).contiguous()
 
 
 def pack_int8(q: torch.Tensor, group: int) -> torch.Tensor:
@@ -158,18 +174,22 @@ class QWeight:
         low = None if low is None else low.detach()
         N, K = q.shape
         group = K // scale.shape[1] if scale.shape[1] else 0
-        if bits == 8 and group == 32 and q.numel() and -16 <= int(q.min()) <= int(q.max()) <= 15:
-            bits = 5  # 8-bit levels that fit in 5 (GGUF Q5_0's): 5.5 bits a weight, not 8.5
-        supported = {4: (32,), 5: (32,), 8: (16, 32)}[bits]
+        if bits == 8 and q.numel():  # 8-bit levels that fit in fewer bits, read as such
+            lo, hi = int(q.min()), int(q.max())
+            if group == 32 and -16 <= lo and hi <= 15:
+                bits = 5  # GGUF Q5_0's: 5.5 bits a weight, not 8.5
+            elif group == 16 and -32 <= lo and hi <= 31:
+                bits = 6  # GGUF Q6_K's: 6.5 bits a weight (compact scales), not 8.5
+        supported = {4: (32,), 5: (32,), 6: (16,), 8: (16, 32)}[bits]
         if group not in supported or K % group or N % 16:
             raise CloverError(
                 f"int{bits} weights of shape [{N}, {K}] in groups of {group}: the kernel takes "
                 f"N a multiple of 16 and groups of {' or '.join(map(str, supported))} along K"
             )
-        lo_level, hi_level = {4: (0, 15), 5: (-16, 15), 8: (-128, 127)}[bits]
+        lo_level, hi_level = {4: (0, 15), 5: (-16, 15), 6: (-32, 31), 8: (-128, 127)}[bits]
         if int(q.min()) < lo_level or int(q.max()) > hi_level:
             raise CloverError(f"int{bits} levels outside {lo_level}..{hi_level}")
-        pack = {4: pack_int4, 5: pack_int5, 8: lambda q: pack_int8(q, group)}[bits]
+        pack = {4: pack_int4, 5: pack_int5, 6: pack_int6, 8: lambda q: pack_int8(q, group)}[bits]
         packed = pack(q)
         scales = pack_scales(scale, low)
         compact = pack_compact(scale, low, group) if scales.dtype == torch.float32 else None
@@ -209,7 +229,7 @@ class QWeight:
 
     def row_levels(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(levels, scale, low) of output rows `rows`, exactly as stored: `from_levels` of them
-        (bits 4, or 8 for 5- and 8-bit levels) packs those rows of this matrix unchanged.
+        (bits 4, or 8 for 5-, 6- and 8-bit levels) packs those rows of this matrix unchanged.
         Only the 16-row tiles holding them are unpacked: unpacking a whole large-vocabulary
         head for a drafter's few thousand rows would cost far more time and memory."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
@@ -231,7 +251,7 @@ class QWeight:
         R = len(rows)
         if R % 16:
             raise CloverError(f"take_rows: {R} rows, not a multiple of 16")
-        if self.bits == 5:  # high bits shared by a tile's rows: unpack those tiles
+        if self.bits in (5, 6):  # high bits shared by a tile's rows: unpack those tiles
             q, scale, low = self.row_levels(rows)
             out = QWeight.from_levels(q, scale, low, bits=8)
             out.x_bits = self.x_bits
@@ -325,7 +345,7 @@ def reference_dots_matmul(
     instead, x_q on one plane."""
     xb = x.to(torch.bfloat16).float()
     N, K, g = w.out_features, w.in_features, w.group
-    top = 127 if x_bits == 8 and w.bits != 8 else 16256
+    top = 127 if x_bits == 8 and w.bits in (4, 5) else 16256
     xg = xb.reshape(-1, K // g, g)
     amax = xg.abs().amax(-1, keepdim=True)
     # top / amax as a true division (`top / t` is a reciprocal then a product: two roundings)

@@ -28,8 +28,12 @@ namespace {
 // pair p of a tile -> w[h]: rows 4h..4h+3 x (k even, k odd) as float32
 template <int BITS>
 CLOVER_INLINE void unpack_pair(const uint8_t* base, int p, __m256* w) {
-  uint32_t high = 0;  // int5: bit w = the high bit of word w's level (qgemm.h)
+  uint32_t high = 0, top = 0;  // int5, int6: bit w = bit 4 (top: 5) of word w's level + bias
   if (BITS == 5) std::memcpy(&high, base + 256 + 4 * p, 4);
+  if (BITS == 6) {
+    std::memcpy(&high, base + 128 + 4 * p, 4);
+    std::memcpy(&top, base + 160 + 4 * p, 4);
+  }
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int h = 0; h < 4; ++h) {
     __m256i d;
@@ -38,11 +42,19 @@ CLOVER_INLINE void unpack_pair(const uint8_t* base, int p, __m256* w) {
       d = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words)));
       d = _mm256_srl_epi32(d, _mm_cvtsi32_si128(4 * (p % 4)));
       d = _mm256_and_si256(d, _mm256_set1_epi32(15));
-      if (BITS == 5) {  // + 16 where the high bit is set, then -16: levels -16..15
-        const __m256i m = _mm256_set1_epi32(static_cast<int>((high >> (8 * h)) & 0xff));
+      const auto add = [&](uint32_t mask, int value) {  // + value where word's bit is set
+        const __m256i m = _mm256_set1_epi32(static_cast<int>((mask >> (8 * h)) & 0xff));
         const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(m, bit), bit);
-        d = _mm256_add_epi32(d, _mm256_and_si256(set, _mm256_set1_epi32(16)));
+        d = _mm256_add_epi32(d, _mm256_and_si256(set, _mm256_set1_epi32(value)));
+      };
+      if (BITS == 5) {  // levels -16..15
+        add(high, 16);
         d = _mm256_sub_epi32(d, _mm256_set1_epi32(16));
+      }
+      if (BITS == 6) {  // levels -32..31
+        add(high, 16);
+        add(top, 32);
+        d = _mm256_sub_epi32(d, _mm256_set1_epi32(32));
       }
     } else {
       d = _mm256_cvtepi8_epi32(
@@ -108,7 +120,7 @@ CLOVER_INLINE void add_group(float* yr, const __m256* acc, const __m256* s, cons
 template <int P, int BITS, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16;
-  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
+  const int64_t tile = tile_bytes(BITS, 2 * P);
   alignas(32) float y[kRowChunk * 32];  // (row, parity) lanes
   alignas(32) float xf[kRowChunk * 2 * P];  // the group's x of the chunk's rows, float32
   __m256 wb[P][4];  // one group of a tile unpacked, for passes of 2 rows or more
@@ -245,7 +257,7 @@ __attribute__((noinline)) void block_rows(const float* panel, int64_t kc, const 
 template <int P, int BITS, bool LOW, bool F16>
 void run_wide(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16;
-  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
+  const int64_t tile = tile_bytes(BITS, 2 * P);
   alignas(32) static thread_local float xf[kMc * kKc];  // the block's x, float32
   alignas(32) static thread_local float panel[kKc * 16];
   std::vector<float> y((t1 - t0) * kMc * 16);

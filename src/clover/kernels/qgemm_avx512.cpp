@@ -43,6 +43,21 @@ CLOVER_INLINE __m512i signed5_table() {
   return _mm512_load_si512(t);
 }
 
+// bfloat16 bit patterns of -32..31 in two halves (`vpermt2w` reads 6 index bits: level + 32)
+CLOVER_INLINE void signed6_tables(__m512i& lo, __m512i& hi) {
+  alignas(64) static const uint16_t t[64] = {
+      0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8,
+      0xc1c0, 0xc1b8, 0xc1b0, 0xc1a8, 0xc1a0, 0xc198, 0xc190, 0xc188,
+      0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110,
+      0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8, 0x41b0, 0x41b8,
+      0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8};
+  lo = _mm512_load_si512(t);
+  hi = _mm512_load_si512(t + 32);
+}
+
 // Pair p of a tile as a vector of [16 rows x 2 k] bfloat16 levels.
 // int4 (256 bytes): chunk p / 4 holds pairs 4c..4c+3, one nibble of every word each.
 // int5 (320 bytes): the int4 layout of the low 4 bits, then one 32-bit mask per pair whose
@@ -61,6 +76,19 @@ CLOVER_INLINE __m512i unpack_pair(const uint8_t* base, int p, __m512i table) {
     std::memcpy(&high, base + 256 + 4 * p, 4);
     nib = _mm512_mask_add_epi16(nib, static_cast<__mmask32>(high), nib, _mm512_set1_epi16(16));
     return _mm512_permutexvar_epi16(nib, table);
+  }
+  if (BITS == 6) {  // int6 (192 bytes): as int5, with masks of bit 4 then of bit 5
+    const __m512i v = _mm512_loadu_si512(base + 64 * (p / 4));
+    __m512i idx = p % 4 ? _mm512_srli_epi16(v, 4 * (p % 4)) : v;
+    idx = _mm512_and_si512(idx, _mm512_set1_epi16(15));
+    uint32_t b4, b5;
+    std::memcpy(&b4, base + 128 + 4 * p, 4);
+    std::memcpy(&b5, base + 160 + 4 * p, 4);
+    idx = _mm512_mask_add_epi16(idx, static_cast<__mmask32>(b4), idx, _mm512_set1_epi16(16));
+    idx = _mm512_mask_add_epi16(idx, static_cast<__mmask32>(b5), idx, _mm512_set1_epi16(32));
+    __m512i lo, hi;
+    signed6_tables(lo, hi);
+    return _mm512_permutex2var_epi16(lo, idx, hi);
   }
   // int8 (32 bytes a pair): |level| <= 127 is exact in bfloat16
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * p));
@@ -144,7 +172,7 @@ constexpr int64_t kRowChunk = 96;  // rows of x per pass over a tile: y stays in
 template <int P, int BITS, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16;
-  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
+  const int64_t tile = tile_bytes(BITS, 2 * P);
   const __m512i table = BITS == 5 ? signed5_table() : nibble_table();
   static const float zero = 0.f;
   alignas(64) float y[kRowChunk * 16];
@@ -208,7 +236,7 @@ template <int P, int BITS, bool LOW, bool F16, int NR>
 __attribute__((target("amx-tile,amx-bf16"))) void run_amx(const QGemm& a, int64_t t0,
                                                           int64_t t1) {
   const int64_t K = a.K, G = K / a.group, per = LOW ? 32 : 16, M = a.M;
-  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 32 * P;
+  const int64_t tile = tile_bytes(BITS, 2 * P);
   const __m512i table = BITS == 5 ? signed5_table() : nibble_table();
   // tiles read NR rows of x (and of its group sums): the rows after the last multiple of NR
   // are copied once, padded with zeros

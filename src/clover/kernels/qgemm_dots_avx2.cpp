@@ -12,6 +12,8 @@
 //     lane sums two products of one row. They stay in int16 over a span of chunks, then widen:
 //     |level| <= 15 (int4), 31 (int5: levels + 16), |x| <= 127 (high plane), so 16 products
 //     (int4: the whole group of 32) or 8 (int5: two chunks) stay under 32767.
+//   int6 (groups of 16): the int5 way with two masks, levels + 32 <= 63: 4 products (one chunk)
+//     at a time; x on two planes always, as int8 weights (the same dot, to the bit).
 //   int4 / int5 with x on one plane (`x_planes` 1, kernel path flag kX8): x rounded to 8 bits
 //     per group (-127..127, as llama.cpp's Q8 activations), half the multiplies a row; the
 //     same spans (|x| <= 127 as the high plane's).
@@ -63,7 +65,7 @@ CLOVER_INLINE __m256 load8(const void* p, int64_t at) {
 // bits, hi (>> 4) bytes the odd ones'. One shuffle puts in byte 2i the byte of the right mask
 // holding bit i (bits 16h + 0..7 in the low lane, 16h + 8..15 in the high), then a compare
 // picks bit i % 8.
-template <int H, bool ODD>
+template <int H, bool ODD, int V = 16>
 CLOVER_INLINE __m256i high16(__m256i m) {
   constexpr char a = 4 * ODD + 2 * H, b = 8 + 4 * ODD + 2 * H;  // mask bytes: pair 4c+ODD, +2
   const __m256i pick = _mm256_setr_epi8(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,  //
@@ -73,7 +75,7 @@ CLOVER_INLINE __m256i high16(__m256i m) {
                                        -128, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64,
                                        -128, -128);
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(m, pick), bit), bit);
-  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+  return _mm256_and_si256(set, _mm256_set1_epi8(V));  // V: 16, or 32 for int6's bit 5
 }
 
 // y[r] (rows 8h..8h+7) += dot * scale * d (+ low * xsum): qgemm_vnni.cpp's epilogue, 8 lanes.
@@ -120,15 +122,17 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
   }
 }
 
-// 4- and 5-bit levels (groups of 32), MR rows of x on PL int8 planes. Up to 2 rows (4 rows
+// 4- and 5-bit levels (groups of 32) and 6-bit ones (groups of 16, two planes: the int8
+// dot to the bit), MR rows of x on PL int8 planes. Up to 2 rows (4 rows
 // of int4 with x on one plane) take both halves of the tile at once: each broadcast of x then
 // serves 16 weight rows, which makes 3- to 16-row int4 passes faster (int5's high bits and x
 // on two planes fill the registers: 3 or 4 rows, one half after the other).
 template <int MR, int BITS, bool LOW, bool F16, int PL>
 void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, G = K / 32;
-  constexpr int64_t tile = BITS == 4 ? 256 : 320;
-  constexpr int span = BITS == 4 ? 4 : 2;  // chunks summed in int16 before widening
+  constexpr int GROUP = BITS == 6 ? 16 : 32;
+  const int64_t K = a.K, G = K / GROUP;
+  constexpr int64_t tile = tile_bytes(BITS, GROUP);
+  constexpr int span = BITS == 4 ? 4 : BITS == 5 ? 2 : 1;  // chunks summed in int16, then widened
   constexpr int HN = MR <= 2 || (BITS == 4 && MR * PL <= 4) ? 2 : 1;  // halves a pass
   const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t t = t0; t < t1; ++t)
@@ -141,12 +145,12 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
         if (h0 == 0)  // a second half reads the lines the first one brought in
           for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
             _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
-        const int8_t* x = a.xq + g * 32;  // row r: (high) plane at x + PL rK, low plane K after
+        const int8_t* x = a.xq + g * GROUP;  // row r: (high) plane at x + PL rK, low one K on
         __m256i acc[HN][MR][PL];  // int32 per half, row and plane
         for (int i = 0; i < HN; ++i)
           for (int r = 0; r < MR; ++r)
             for (int pl = 0; pl < PL; ++pl) acc[i][r][pl] = _mm256_setzero_si256();
-        for (int c0 = 0; c0 < 4; c0 += span) {
+        for (int c0 = 0; c0 < GROUP / 8; c0 += span) {
           __m256i part[HN][MR][PL];  // int16 sums over the span
           for (int i = 0; i < HN; ++i)
             for (int r = 0; r < MR; ++r)
@@ -155,19 +159,28 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
           // their sums and kept them on the stack
 #pragma GCC unroll 1
           for (int c = c0; c < c0 + span; ++c) {
-            __m256i lo[HN], hi[HN], m = _mm256_setzero_si256();
-            if (BITS == 5)  // the chunk's 4 pair masks of high bits, in both 128-bit lanes
-              m = _mm256_broadcastsi128_si256(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 256 + 16 * c)));
+            __m256i lo[HN], hi[HN], m = _mm256_setzero_si256(), m5 = m;
+            const auto masks = [&](int64_t at) {  // the chunk's 4 pair masks, in both lanes
+              return _mm256_broadcastsi128_si256(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + at + 16 * c)));
+            };
+            if (BITS == 5) m = masks(256);
+            if (BITS == 6) m = masks(128), m5 = masks(160);
             for (int i = 0; i < HN; ++i) {
               const int h = h0 + i;
               const __m256i v =
                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * c + 32 * h));
               lo[i] = _mm256_and_si256(v, nib);
               hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-              if (BITS == 5) {  // levels + 16 in 0..31
+              if (BITS != 4) {  // levels + 16 in 0..31 (int5), + 32 in 0..63 (int6)
                 lo[i] = _mm256_or_si256(lo[i], h ? high16<1, false>(m) : high16<0, false>(m));
                 hi[i] = _mm256_or_si256(hi[i], h ? high16<1, true>(m) : high16<0, true>(m));
+              }
+              if (BITS == 6) {
+                lo[i] = _mm256_or_si256(lo[i],
+                                        h ? high16<1, false, 32>(m5) : high16<0, false, 32>(m5));
+                hi[i] = _mm256_or_si256(hi[i],
+                                        h ? high16<1, true, 32>(m5) : high16<0, true, 32>(m5));
               }
             }
             for (int r = 0; r < MR; ++r)
@@ -192,8 +205,9 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
           for (int r = 0; r < MR; ++r) {
             dot[r] = acc[i][r][0];  // one plane: x_q itself; two: 128 high + low
             if (PL == 2) dot[r] = _mm256_add_epi32(_mm256_slli_epi32(dot[r], 7), acc[i][r][PL - 1]);
-            if (BITS == 5)
-              dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(16 * a.xqs[r * G + g]));
+            if (BITS != 4)
+              dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32((BITS == 5 ? 16 : 32) *
+                                                                  a.xqs[r * G + g]));
           }
           epilogue<MR, LOW, F16>(a, G, t, g, h0 + i, dot, y[i]);
         }
@@ -242,6 +256,8 @@ void run_rows(const QGemm& a, int64_t t0, int64_t t1) {
     constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
     if constexpr (bits == 8)
       run_bytes<MR, group, low, f16>(a, t0, t1);
+    else if constexpr (bits == 6)
+      run_nibbles<MR, bits, low, f16, 2>(a, t0, t1);
     else if (a.x_planes == 1)
       run_nibbles<MR, bits, low, f16, 1>(a, t0, t1);
     else

@@ -23,13 +23,9 @@ float from_f16(uint16_t h) {
   return f;
 }
 
-static int64_t tile_bytes(const QGemm& a) {
-  return a.bits == 4 ? 256 : a.bits == 5 ? 320 : 16 * a.group;
-}
-
 int level_at(const QGemm& a, int64_t n, int64_t k) {
   const int64_t G = a.K / a.group, t = n / 16, i = n % 16, g = k / a.group, kk = k % a.group;
-  const uint8_t* base = a.q + (t * G + g) * tile_bytes(a);
+  const uint8_t* base = a.q + (t * G + g) * tile_bytes(a.bits, a.group);
   const int e = kk % 2;
   if (a.bits != 8) {
     const int c = kk / 8, j = (kk % 8) / 2, w = 2 * i + e;
@@ -37,9 +33,13 @@ int level_at(const QGemm& a, int64_t n, int64_t k) {
     std::memcpy(&word, base + c * 64 + w * 2, 2);
     const int nibble = (word >> (4 * j)) & 15;
     if (a.bits == 4) return nibble;
-    uint32_t high;  // int5: pair p = 4c + j's mask, bit w
-    std::memcpy(&high, base + 256 + 4 * (4 * c + j), 4);
-    return nibble + 16 * static_cast<int>((high >> w) & 1u) - 16;
+    const auto bit = [&](int64_t at) {  // int5, int6: pair p = 4c + j's mask at `at`, bit w
+      uint32_t high;
+      std::memcpy(&high, base + at + 4 * (4 * c + j), 4);
+      return static_cast<int>((high >> w) & 1u);
+    };
+    if (a.bits == 5) return nibble + 16 * bit(256) - 16;
+    return nibble + 16 * bit(128) + 32 * bit(160) - 32;
   }
   return static_cast<int8_t>(base[(kk / 2) * 32 + 2 * i + e]);
 }

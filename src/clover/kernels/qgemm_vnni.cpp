@@ -24,6 +24,8 @@
 //     of k = 0, 4, 1, 5, `>> 4 & 0x0f` those of k = 2, 6, 3, 7, so x is stored in that order.
 //   int5: the int4 bytes, + 16 where the pair's mask has the word's high bit (`_pdep_u64`
 //     spreads two pairs' 32-bit masks over the 64 bytes), and dot -= 16 sum(x_q).
+//   int6: the same with two masks (+ 16, + 32), and dot -= 32 sum(x_q): the dot equals the
+//     one of the same levels stored as int8, so both give the same results to the bit.
 //   int8: two pairs (64 bytes) hold rows 0..15 x (k, k+1) then rows 0..15 x (k+2, k+3); one
 //     `vpermw` puts row n's 4 bytes in lane n. Levels are signed, `vpdpbusd` wants its first
 //     operand unsigned: levels + 128 (a xor), and dot -= 128 sum(x_q).
@@ -53,18 +55,20 @@ namespace {
 // groups of software prefetch do
 constexpr int64_t kAhead = 8;
 
-// int5: lo and hi (the & 15 and >> 4 bytes of chunk c of a tile's group at `base`) + 16 where
-// the level's high bit is set, so levels + 16 in 0..31: pairs 4c..4c+3 hold bit w of word w;
-// byte 4n + b of lo holds word 2n + b / 2 of pair 4c + 2 (b % 2)
-CLOVER_INLINE void add_high_bits(const uint8_t* base, int c, __m512i& lo, __m512i& hi) {
+// int5, int6: lo and hi (the & 15 and >> 4 bytes of chunk c of a tile's group) + `value`
+// where the level's bit is set in the masks at `masks` (16 for int5's high bit, 16 and 32 for
+// int6's two), so levels + 16 in 0..31, levels + 32 in 0..63: pairs 4c..4c+3 hold bit w of
+// word w; byte 4n + b of lo holds word 2n + b / 2 of pair 4c + 2 (b % 2)
+CLOVER_INLINE void add_high_bits(const uint8_t* masks, int c, int value, __m512i& lo,
+                                 __m512i& hi) {
   uint32_t m[4];
-  std::memcpy(m, base + 256 + 16 * c, 16);
+  std::memcpy(m, masks + 16 * c, 16);
   const uint64_t even = 0x5555555555555555ull, odd = ~even;
   const __mmask64 mlo = _pdep_u64(m[0], even) | _pdep_u64(m[2], odd);
   const __mmask64 mhi = _pdep_u64(m[1], even) | _pdep_u64(m[3], odd);
-  const __m512i sixteen = _mm512_set1_epi8(16);
-  lo = _mm512_mask_add_epi8(lo, mlo, lo, sixteen);
-  hi = _mm512_mask_add_epi8(hi, mhi, hi, sixteen);
+  const __m512i v = _mm512_set1_epi8(static_cast<char>(value));
+  lo = _mm512_mask_add_epi8(lo, mlo, lo, v);
+  hi = _mm512_mask_add_epi8(hi, mhi, hi, v);
 }
 
 // y (tile t's 16 outputs of MR rows) + bias -> the output rows
@@ -90,8 +94,8 @@ CLOVER_INLINE void store_rows(const QGemm& a, int64_t t, const __m512* y) {
 template <int MR, int BITS, int GROUP, bool LOW, bool F16>
 void run(const QGemm& a, int64_t t0, int64_t t1) {
   const int64_t K = a.K, G = K / GROUP;
-  const int64_t tile = BITS == 4 ? 256 : BITS == 5 ? 320 : 16 * GROUP;
-  constexpr int kBias = BITS == 4 ? 0 : BITS == 5 ? 16 : 128;  // unsigned levels = level + this
+  constexpr int64_t tile = tile_bytes(BITS, GROUP);
+  constexpr int kBias = BITS == 4 ? 0 : BITS == 5 ? 16 : BITS == 6 ? 32 : 128;  // level + this
   const __m512i nib = _mm512_set1_epi8(0x0f);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i rows_of_quads = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
@@ -113,7 +117,11 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           const __m512i v = _mm512_loadu_si512(base + 64 * c);
           __m512i lo = _mm512_and_si512(v, nib);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-          if (BITS == 5) add_high_bits(base, c, lo, hi);
+          if (BITS == 5) add_high_bits(base + 256, c, 16, lo, hi);
+          if (BITS == 6) {
+            add_high_bits(base + 128, c, 16, lo, hi);
+            add_high_bits(base + 160, c, 32, lo, hi);
+          }
           for (int r = 0; r < MR; ++r)
             for (int pl = 0; pl < 2; ++pl) {
               const int8_t* xp = x + (2 * r + pl) * K + 8 * c;
@@ -178,7 +186,7 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
         const __m512i v = _mm512_loadu_si512(base + 64 * c);
         __m512i lo = _mm512_and_si512(v, nib);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        if (BITS == 5) add_high_bits(base, c, lo, hi);
+        if (BITS == 5) add_high_bits(base + 256, c, 16, lo, hi);
         for (int r = 0; r < MR; ++r) {
           const int8_t* xp = x + r * K + 8 * c;
           acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, broadcast4(xp));
@@ -251,7 +259,7 @@ void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1) {
     dispatch_format(b, [&](auto P, auto BITS, auto LOW, auto F16) {
       constexpr int bits = decltype(BITS)::value, group = 2 * decltype(P)::value;
       constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
-      if constexpr (bits != 8) {
+      if constexpr (bits == 4 || bits == 5) {
         if (b.x_planes == 1) {
           switch (b.M) {
             case 1: return run_x8<1, bits, low, f16>(b, u0, u1);
