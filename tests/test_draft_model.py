@@ -28,10 +28,12 @@ def test_draft_model_drafts_are_lossless_batched(draft, adaptive):
         assert any("drafter" in r.drafts for r in spec)
 
 
-def test_the_model_drafting_for_itself_is_always_kept():
+def test_the_model_drafting_for_itself_is_always_kept(monkeypatch):
     """The target as its own draft model: every draft is the target's next token, so every
     pass keeps all of its drafts. Any slip in the draft cache (a token fed twice or not at
-    all, a draft left in it) would change a draft and lose it."""
+    all, a draft left in it) would change a draft and lose it. (Chains of the whole width:
+    the next test stops them.)"""
+    monkeypatch.setattr(ModelDraftRunner, "STOP_BELOW", 0.0)
     model = tiny_model(seed=3)
     runtime = Runtime(model, model)
     ar = decoded(runtime, PROMPTS, "ar", 25)
@@ -41,6 +43,33 @@ def test_the_model_drafting_for_itself_is_always_kept():
         drafted, kept = r.drafts["drafter"]
         assert kept == drafted > 0
         assert r.nfe <= 1 + -(-len(r.tokens) // 4)  # the prompt's pass, then 4 tokens a pass
+
+
+def test_a_draft_chain_stops_where_its_drafts_become_unlikely(monkeypatch):
+    """A chain ends after the draft at which the product of the draft model's probabilities
+    of its drafts falls below STOP_BELOW: a random model (top probabilities near 0.05) drafts
+    one token a pass, the same model with sharpened logits (the same arg-maxes) the whole
+    block where it is sure (all but its first chain here). Drafting for itself, every draft is
+    kept either
+    way, so the draft cache stays exact when a chain stops early; off (0), every chain is
+    whole. The answers are ar's throughout."""
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    unsure = tiny_model(seed=3)
+    sure = tiny_model(seed=3)
+    with torch.no_grad():
+        sure.model.norm.weight.mul_(10)
+    for model, stop, longest in ((unsure, 0.3, 1), (unsure, 0.0, 3), (sure, 0.3, 3)):
+        monkeypatch.setattr(ModelDraftRunner, "STOP_BELOW", stop)
+        runtime = Runtime(model, model)
+        ar = decoded(runtime, PROMPTS, "ar", 25)
+        spec = decoded(runtime, PROMPTS, policy, 25)
+        assert [r.tokens for r in spec] == [r.tokens for r in ar]
+        for r in spec:
+            drafted, kept = r.drafts["drafter"]
+            assert kept == drafted > 0, (stop, r.drafts)
+            assert max(r.accepted) == longest, (stop, r.accepted)
+        if model is sure and stop:  # sure of some drafts, not of all
+            assert any(min(r.accepted) < 3 for r in spec)
 
 
 def test_draft_model_rows_joining_a_running_batch_and_the_prefix_cache():
