@@ -342,7 +342,7 @@ def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
 
 
 def set_dots_x(model: nn.Module, bits: int, drafter: nn.Module | None = None) -> None:
-    """In place: the integer dots of `model`'s 4- and 5-bit weights take x on `bits` (8 or 15)
+    """In place: the integer dots of `model`'s 4- to 6-bit weights take x on `bits` (8 or 15)
     bits per group (`clover.kernels`), in its modules, its fused layers (built again) and its
     drafter, if given; `$CLOVER_DOTS_X` still overrides it."""
     if bits not in (8, 15):

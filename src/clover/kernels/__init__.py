@@ -14,7 +14,7 @@ runs a whole decoder layer per call. docs/kernels.md has the layouts and their m
 - Short passes (an AR step, a verify pass) round x per group and take exact integer dots
   (AVX-512 VNNI, else AVX2 `vpmaddubsw`, the same results to the bit), so a row's result does
   not depend on the pass width. `$CLOVER_INT8_DOTS=0` keeps bfloat16 x there. x takes 15 bits
-  (two int8 planes) or, where a model chose it (`ModelEntry.dots_x`), 8 bits for 4- and 5-bit
+  (two int8 planes) or, where a model chose it (`ModelEntry.dots_x`), 8 bits for 4- to 6-bit
   weights: fewer multiplies, a little less precision; `$CLOVER_DOTS_X=8` or `15` overrides it.
 - Passes of more than 384 rows sweep the weights once per 192 rows, so x stays in cache
   (`$CLOVER_QGEMM_ROWS` sets the rows, 0 takes all at once; the results are the same).
@@ -219,7 +219,7 @@ def rebuild(verbose: bool = True) -> ModuleType | None:
 
 
 INT8_DOTS = 8  # added to a path: short passes take integer dots (int8_dots_rows says how short)
-X8 = 16  # added with INT8_DOTS: 4- and 5-bit weights take x on 8 bits there (isa's x_bits)
+X8 = 16  # added with INT8_DOTS: 4- to 6-bit weights take x on 8 bits there (isa's x_bits)
 
 
 def isa(x_bits: int | None = None) -> int:

@@ -64,7 +64,7 @@ bool dots_on_vnni(int64_t isa) {
 }  // namespace
 
 // Rows a pass may have and still take the integer dots. VNNI: up to 4 (AMX's bfloat16 tiles
-// cost as much from 3 rows on), and up to 16 where 4- and 5-bit weights take x on one plane
+// cost as much from 3 rows on), and up to 16 where 4- to 6-bit weights take x on one plane
 // (kX8; 8-bit weights keep two planes in blocks of 4 rows): there the dots beat the bfloat16
 // path up to 16 rows and not beyond. AVX2: up to 16, where the dots cost no more than the
 // float path. `clover bench passes` times both sides (docs/kernels.md).
@@ -193,7 +193,7 @@ void qgemm_rows(const Packed& w, const uint16_t* xb, const float* xs, int64_t M,
   std::vector<float> xd;
   std::vector<int32_t> xqs;
   if (M <= int8_dots_rows(isa)) {
-    a.x_planes = (isa & kX8) && w.bits < 6 ? 1 : 2;  // x on one 8-bit plane (kX8, 4/5 bits)
+    a.x_planes = (isa & kX8) && w.bits != 8 ? 1 : 2;  // x on one 8-bit plane (kX8, 4-6 bits)
     const bool vnni = dots_on_vnni(isa);
     const int64_t G = w.K / w.group;
     xq.resize(a.x_planes * M * w.K), xd.resize(M * G), xqs.resize(M * G);

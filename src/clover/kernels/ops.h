@@ -32,7 +32,7 @@ int64_t best_isa();
 // plus this flag where short passes (int8_dots_rows: 4 with VNNI, 16 with VNNI and kX8 or on
 // AVX2) take integer dots on int8 planes of x (qgemm_vnni.cpp, qgemm_dots_avx2.cpp)
 constexpr int64_t kInt8Dots = 8;
-// with kInt8Dots: 4- and 5-bit weights take x rounded to 8 bits per group on one plane (VNNI
+// with kInt8Dots: 4- to 6-bit weights take x rounded to 8 bits per group on one plane (VNNI
 // where the CPU has it, else AVX2: the same results), half the multiplies a row of a short pass
 constexpr int64_t kX8 = 16;
 inline int isa_level(int64_t isa) { return static_cast<int>(isa & 7); }

@@ -50,9 +50,9 @@ struct QGemm {
   const int8_t* xq = nullptr;    // [M, 2, K]: high and low int8 planes, x_q = 128 high + low
   const float* xd = nullptr;     // [M, G]: each group's step d (x ~ d * x_q)
   const int32_t* xqs = nullptr;  // [M, G]: sum of x_q per group
-  // 4- and 5-bit weights on the dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
-  // -127..127, d = max |x| / 127; kernel path flag kX8). 6- and 8-bit weights keep 2 (int8's
-  // int16 x_q takes the bytes of two planes): K * x_planes bytes of xq a row
+  // 4-, 5- and 6-bit weights on the dots: x_q on 2 planes (15 bits) or on 1 (8 bits: in
+  // -127..127, d = max |x| / 127; kernel path flag kX8). 8-bit weights keep 2 (their int16
+  // x_q takes the bytes of two planes): K * x_planes bytes of xq a row
   int x_planes = 2;
   // the integer dots only: the scales (and lows) as int8 multiples of a float32 base per 256
   // values of k (qgemm.py's `pack_compact`), read instead of `scales` when set: mults [NT, G,
@@ -118,7 +118,7 @@ void qgemm_tiles_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_wide_avx2(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_avx512(const QGemm& a, int64_t t0, int64_t t1);
 void qgemm_tiles_amx(const QGemm& a, int64_t t0, int64_t t1);  // AVX-512 for one row
-// integer dots on two int8 planes of x, or one for 4- and 5-bit weights (AVX-512 VNNI): any
+// integer dots on two int8 planes of x, or one for 4- to 6-bit weights (AVX-512 VNNI): any
 // rows (qgemm_rows: up to 4 on two planes, 16 on one)
 void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1);
 // the same dots on AVX2 (qgemm_dots_avx2.cpp), to the bit: any rows (qgemm_rows: up to 16)
@@ -135,7 +135,7 @@ void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits
                    float* xd, int32_t* xqs);
 // the same on AVX2, for qgemm_tiles_dots_avx2: the same x_q, d and sums, but for 8-bit weights
 // x_q is written as int16 [M, K] (in the same 2K bytes a row) instead of two planes; with
-// planes 1 (4- and 5-bit weights only) x_q = round(x * 127 / max |x|) on one plane [M, K]
+// planes 1 (4- to 6-bit weights only) x_q = round(x * 127 / max |x|) on one plane [M, K]
 void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int bits,
                         int8_t* xq, float* xd, int32_t* xqs, int planes);
 

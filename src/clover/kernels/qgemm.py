@@ -151,7 +151,7 @@ class QWeight:
     in_features: int  # K
     q: torch.Tensor  # uint8, packed levels
     scales: torch.Tensor  # float16 or float32 [N/16, G, 1 or 2, 16]
-    x_bits: int | None = None  # the integer dots' x for 4-/5-bit levels: 8, 15 (None: 15)
+    x_bits: int | None = None  # the integer dots' x for 4- to 6-bit levels: 8, 15 (None: 15)
     # the scales as int8 multiples of a base per 256 values (`pack_compact`), which the
     # integer dots read instead of `scales` (float32 ones only; wider passes read those)
     mults: torch.Tensor | None = None
@@ -341,11 +341,11 @@ def reference_dots_matmul(
     max |x| / 16256 (x_q = round(x * 16256 / max |x|), float32 as the kernel rounds), each
     group's exact dot with the levels times scale * step, plus low times the bfloat16 x's group
     sum. (The kernel splits x_q into two int8 planes; that split is exact.) With x_bits 8
-    (`QWeight.x_bits`, `$CLOVER_DOTS_X`) 4- and 5-bit weights take steps of max |x| / 127
+    (`QWeight.x_bits`, `$CLOVER_DOTS_X`) 4-, 5- and 6-bit weights take steps of max |x| / 127
     instead, x_q on one plane."""
     xb = x.to(torch.bfloat16).float()
     N, K, g = w.out_features, w.in_features, w.group
-    top = 127 if x_bits == 8 and w.bits in (4, 5) else 16256
+    top = 127 if x_bits == 8 and w.bits != 8 else 16256
     xg = xb.reshape(-1, K // g, g)
     amax = xg.abs().amax(-1, keepdim=True)
     # top / amax as a true division (`top / t` is a reciprocal then a product: two roundings)

@@ -13,7 +13,7 @@
 //     |level| <= 15 (int4), 31 (int5: levels + 16), |x| <= 127 (high plane), so 16 products
 //     (int4: the whole group of 32) or 8 (int5: two chunks) stay under 32767.
 //   int6 (groups of 16): the int5 way with two masks, levels + 32 <= 63: 4 products (one chunk)
-//     at a time; x on two planes always, as int8 weights (the same dot, to the bit).
+//     at a time, x on one plane or two as int4's.
 //   int4 / int5 with x on one plane (`x_planes` 1, kernel path flag kX8): x rounded to 8 bits
 //     per group (-127..127, as llama.cpp's Q8 activations), half the multiplies a row; the
 //     same spans (|x| <= 127 as the high plane's).
@@ -122,8 +122,8 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
   }
 }
 
-// 4- and 5-bit levels (groups of 32) and 6-bit ones (groups of 16, two planes: the int8
-// dot to the bit), MR rows of x on PL int8 planes. Up to 2 rows (4 rows
+// 4- and 5-bit levels (groups of 32) and 6-bit ones (groups of 16), MR rows of x on PL int8
+// planes. Up to 2 rows (4 rows
 // of int4 with x on one plane) take both halves of the tile at once: each broadcast of x then
 // serves 16 weight rows, which makes 3- to 16-row int4 passes faster (int5's high bits and x
 // on two planes fill the registers: 3 or 4 rows, one half after the other).
@@ -256,8 +256,6 @@ void run_rows(const QGemm& a, int64_t t0, int64_t t1) {
     constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
     if constexpr (bits == 8)
       run_bytes<MR, group, low, f16>(a, t0, t1);
-    else if constexpr (bits == 6)
-      run_nibbles<MR, bits, low, f16, 2>(a, t0, t1);
     else if (a.x_planes == 1)
       run_nibbles<MR, bits, low, f16, 1>(a, t0, t1);
     else
@@ -269,7 +267,7 @@ void run_rows(const QGemm& a, int64_t t0, int64_t t1) {
 
 void quantize_rows_avx2(const uint16_t* xb, int64_t M, int64_t K, int group, int bits,
                         int8_t* xq, float* xd, int32_t* xqs, int planes) {
-  // 4- and 5-bit weights: two int8 planes (or, planes 1, x_q in -127..127 on one), each 8 k in
+  // 4- to 6-bit weights: two int8 planes (or, planes 1, x_q in -127..127 on one), each 8 k in
   // the order 0, 4, 1, 5, 2, 6, 3, 7; 8-bit weights: x_q as int16 in k's order (the same 2K
   // bytes a row)
   const bool one = bits != 8 && planes == 1;

@@ -24,8 +24,9 @@
 //     of k = 0, 4, 1, 5, `>> 4 & 0x0f` those of k = 2, 6, 3, 7, so x is stored in that order.
 //   int5: the int4 bytes, + 16 where the pair's mask has the word's high bit (`_pdep_u64`
 //     spreads two pairs' 32-bit masks over the 64 bytes), and dot -= 16 sum(x_q).
-//   int6: the same with two masks (+ 16, + 32), and dot -= 32 sum(x_q): the dot equals the
-//     one of the same levels stored as int8, so both give the same results to the bit.
+//   int6: the same with two masks (+ 16, + 32), and dot -= 32 sum(x_q): on 15-bit x the dot
+//     equals the one of the same levels stored as int8, so both give the same results to the
+//     bit; with x on 8 bits (kX8) int6 takes one plane as int4 and int5 do, int8 keeps two.
 //   int8: two pairs (64 bytes) hold rows 0..15 x (k, k+1) then rows 0..15 x (k+2, k+3); one
 //     `vpermw` puts row n's 4 bytes in lane n. Levels are signed, `vpdpbusd` wants its first
 //     operand unsigned: levels + 128 (a xor), and dot -= 128 sum(x_q).
@@ -157,7 +158,7 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
   }
 }
 
-// 4- and 5-bit levels with x on one 8-bit plane (kernel path flag kX8, quantize_rows_avx2's
+// 4- to 6-bit levels with x on one 8-bit plane (kernel path flag kX8, quantize_rows_avx2's
 // planes 1: x_q in -127..127 in the order above): half the `vpdpbusd` of two planes, so a
 // row costs two an unpacked chunk and up to 8 rows share one unpacking. The dots are exact
 // and the epilogue is qgemm_dots_avx2.cpp's, lane for lane, so a row's result equals that
@@ -167,8 +168,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
 // independent sums either way, and 8 rows' sums + outputs fit the registers.
 template <int MR, int BITS, bool LOW, bool F16>
 void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, G = K / 32;
-  constexpr int64_t tile = BITS == 4 ? 256 : 320;
+  constexpr int GROUP = BITS == 6 ? 16 : 32;
+  const int64_t K = a.K, G = K / GROUP;
+  constexpr int64_t tile = tile_bytes(BITS, GROUP);
   constexpr int CH = MR <= 4 ? 2 : 1;
   const __m512i nib = _mm512_set1_epi8(0x0f);
   for (int64_t t = t0; t < t1; ++t) {
@@ -178,15 +180,19 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
       const uint8_t* base = a.q + (t * G + g) * tile;
       for (int64_t at = kAhead * tile; at < (kAhead + 1) * tile; at += 64)
         _mm_prefetch(reinterpret_cast<const char*>(base + at), _MM_HINT_T0);
-      const int8_t* x = a.xq + g * 32;  // row r at x + rK
+      const int8_t* x = a.xq + g * GROUP;  // row r at x + rK
       __m512i acc[MR][CH];
       for (int r = 0; r < MR; ++r)
         for (int i = 0; i < CH; ++i) acc[r][i] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < GROUP / 8; ++c) {
         const __m512i v = _mm512_loadu_si512(base + 64 * c);
         __m512i lo = _mm512_and_si512(v, nib);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         if (BITS == 5) add_high_bits(base + 256, c, 16, lo, hi);
+        if (BITS == 6) {
+          add_high_bits(base + 128, c, 16, lo, hi);
+          add_high_bits(base + 160, c, 32, lo, hi);
+        }
         for (int r = 0; r < MR; ++r) {
           const int8_t* xp = x + r * K + 8 * c;
           acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, broadcast4(xp));
@@ -197,7 +203,8 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
       scales16<F16, LOW>(a, t, G, g, s, l);
       for (int r = 0; r < MR; ++r) {
         __m512i dot = CH == 2 ? _mm512_add_epi32(acc[r][0], acc[r][CH - 1]) : acc[r][0];
-        if (BITS == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * a.xqs[r * G + g]));
+        if (BITS != 4)  // levels + 16 (int5), + 32 (int6)
+          dot = _mm512_sub_epi32(dot, _mm512_set1_epi32((BITS == 5 ? 16 : 32) * a.xqs[r * G + g]));
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.xd[r * G + g]));
         y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, y[r]);
         if (LOW) y[r] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[r * G + g]), l, y[r]);
@@ -211,7 +218,7 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
 
 void quantize_rows(const uint16_t* xb, int64_t M, int64_t K, int group, int bits, int8_t* xq,
                    float* xd, int32_t* xqs) {
-  // 4- and 5-bit weights: each 8 k in the order 0, 4, 1, 5, 2, 6, 3, 7 (the file's header)
+  // 4- to 6-bit weights: each 8 k in the order 0, 4, 1, 5, 2, 6, 3, 7 (the file's header)
   const __m512i order = bits == 8 ? _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
                                                      3, 2, 1, 0)
                                   : _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2,
@@ -259,7 +266,7 @@ void qgemm_tiles_vnni(const QGemm& a, int64_t t0, int64_t t1) {
     dispatch_format(b, [&](auto P, auto BITS, auto LOW, auto F16) {
       constexpr int bits = decltype(BITS)::value, group = 2 * decltype(P)::value;
       constexpr bool low = decltype(LOW)::value, f16 = decltype(F16)::value;
-      if constexpr (bits == 4 || bits == 5) {
+      if constexpr (bits != 8) {
         if (b.x_planes == 1) {
           switch (b.M) {
             case 1: return run_x8<1, bits, low, f16>(b, u0, u1);
