@@ -107,7 +107,13 @@ class _Reader(threading.Thread):
     def __init__(self, path: Path, size: int) -> None:
         super().__init__(daemon=True)
         self.path, self.size, self.error = path, size, None
-        self.buf = mmap.mmap(-1, max(size, 1))
+        # private: Python's anonymous maps are shared by default, and shared memory takes huge
+        # pages only where the system enables them for shmem (commonly never)
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        if private:
+            self.buf = mmap.mmap(-1, max(size, 1), flags=private)
+        else:  # Windows: no flags
+            self.buf = mmap.mmap(-1, max(size, 1))
         with contextlib.suppress(AttributeError, OSError):
             self.buf.madvise(mmap.MADV_HUGEPAGE)
         self.start()
