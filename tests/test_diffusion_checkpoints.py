@@ -166,7 +166,7 @@ def reference_route(scores_logits, bias, n_group, topk_group, k, scale):
     E = scores_logits.shape[-1]
     per = E // n_group
     out = []
-    for row in scores_logits:
+    for row in scores_logits.detach():
         s = [1 / (1 + math.exp(-float(v))) for v in row]
         b = [s[e] + float(bias[e]) for e in range(E)]
         groups = sorted(range(n_group), key=lambda g: -sum(sorted(b[g * per : (g + 1) * per])[-2:]))
