@@ -7,7 +7,8 @@ int4 levels are 0..15 in groups of 32 (GGUF Q4_0/Q4_1/Q4_K sub-blocks, our own q
 int8 levels are -128..127 in groups of 16 or 32 (Q8_0, Q6_K, per-row int8 with the row's
 scale repeated); 8-bit levels in groups of 32 that all fit in -16..15 (Q5_0) are stored in 5
 bits (`bits` 5), and in groups of 16 that fit in -32..31 (Q6_K) in 6 (`bits` 6), which the
-kernel reads as such, to the bit as their int8 form. Scales are stored in float16 when every scale
+kernel reads as such (with 15-bit or bfloat16 x, to the bit as their int8 form; a model's 8-bit
+x takes one plane for them, two for int8). Scales are stored in float16 when every scale
 and low is exactly a float16 (then nothing is rounded and the weights read 12% fewer bytes at
 int4), else float32; float32 ones that are small integers times a base per 256 values (GGUF's
 Q4_K and Q6_K) are also kept as int8 multiples and bases (`pack_compact`), which the integer
