@@ -45,6 +45,40 @@ def test_the_model_drafting_for_itself_is_always_kept(monkeypatch):
         assert r.nfe <= 1 + -(-len(r.tokens) // 4)  # the prompt's pass, then 4 tokens a pass
 
 
+def test_the_draft_model_reads_each_kept_token_once(monkeypatch):
+    """A chain's drafts stay in the draft model's cache where the verify pass keeps them: the
+    model drafting for itself (every draft kept) reads the prompt and each token of the answer
+    once, not the kept drafts a second time at the next draft. A random draft model (drafts
+    lost) reads more, and its answers stay ar's: what it read ahead is rolled back."""
+    monkeypatch.setattr(ModelDraftRunner, "STOP_BELOW", 0.0)
+    model = tiny_model(seed=3)
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=False)
+    # the same weights as the target (a model of its own, so its passes can be told apart)
+    for draft, all_kept in ((tiny_model(seed=3), True), (tiny_model(seed=5), False)):
+        runtime = Runtime(model, draft)
+        read = []
+        forward = type(draft).forward
+
+        def counting(self, ids, *args, n_valid=None, draft=draft, read=read, forward=forward,
+                     **kwargs):  # fmt: skip
+            if self is draft:
+                read.append(int(n_valid.sum()) if n_valid is not None else ids.numel())
+            return forward(self, ids, *args, n_valid=n_valid, **kwargs)
+
+        monkeypatch.setattr(type(draft), "forward", counting)
+        ar = decoded(runtime, PROMPTS[:1], "ar", 25)
+        read.clear()
+        [spec] = decoded(runtime, PROMPTS[:1], policy, 25)
+        monkeypatch.setattr(type(draft), "forward", forward)
+        assert spec.tokens == ar[0].tokens
+        drafted, kept = spec.drafts["drafter"]
+        assert (kept == drafted) == all_kept
+        if all_kept:  # the prompt and the answer's tokens (but the last chain's), once each
+            assert sum(read) <= len(PROMPTS[0]) + len(spec.tokens), read
+        else:
+            assert sum(read) > len(PROMPTS[0]) + len(spec.tokens)
+
+
 def test_a_draft_chain_stops_where_its_drafts_become_unlikely(monkeypatch):
     """A chain ends after the draft at which the product of the draft model's probabilities
     of its drafts falls below STOP_BELOW: a random model (top probabilities near 0.05) drafts

@@ -2,12 +2,14 @@
 coder drafting for the 1.5B), beside the trained drafters of `drafting.py`.
 
 The draft model keeps its own cache of every row's committed tokens. It reads them lazily:
-a row's next draft pass starts with what the row committed since its last draft (the verify
-pass's kept tokens, or the whole prompt at its first draft) followed by its pending token, in
-one causal pass, then drafts one token a pass; afterwards its cache is rolled back to the
-committed tokens, so drafts never stay in it. A row that does not draft for a while feeds
-nothing: its next draft pass is wider instead. Verification is the same as for any drafter:
-exact, whatever the draft model says.
+a row's next draft pass starts with what the row committed since its last draft (the whole
+prompt at its first draft) followed by its pending token, in one causal pass, then drafts one
+token a pass. What a chain read past the committed tokens (the pending token, then its drafts)
+stays in the cache until the next draft pass, which keeps as much of it as the row committed
+since (the kept drafts: read once, not again) and rolls back the rest, so its first pass
+usually reads one or two tokens instead of every token the verify pass kept. A row that does
+not draft for a while feeds nothing: its next draft pass is wider instead. Verification is
+the same as for any drafter: exact, whatever the draft model says.
 
 Its drafts come from the head's rows of the vocabulary's first `draft.draft_vocab` ids, its
 end tokens and the ids its own shipped drafter drafts (`draft.draft_ids`; `draft_vocabulary`):
@@ -75,6 +77,7 @@ class ModelDraftRunner(DrafterRunner):
         self.owners: list = []  # per row: the row it drafts for, once it drafted
         self.pins: list = []  # per row: the prefix-cache block it holds
         self.skipped: list[int] = []  # per row: committed tokens before its window (`WINDOW`)
+        self.ahead: list[list[int]] = []  # per row: tokens in the cache past its committed ones
         self.rows: list | None = None  # the batch's rows, until the draft pass reads them
         self.clean = True  # False while a draft pass runs: the cache may hold half of it
 
@@ -115,6 +118,7 @@ class ModelDraftRunner(DrafterRunner):
         self.owners.append(None)
         self.pins.append(None)
         self.skipped.append(0)
+        self.ahead.append([])
 
     def select(self, keep: list[int]) -> None:
         """Rows that leave save what the draft model read of them, then the rest stay."""
@@ -128,11 +132,17 @@ class ModelDraftRunner(DrafterRunner):
         self.owners = [self.owners[k] for k in keep]
         self.pins = [self.pins[k] for k in keep]
         self.skipped = [self.skipped[k] for k in keep]
+        self.ahead = [self.ahead[k] for k in keep]
 
     def _leave(self, k: int) -> None:
         """Row k's committed tokens in the draft model's cache into its prefix cache (unless a
         draft pass was cut short), then its hold on the cache's chain goes."""
         row, pin = self.owners[k], self.pins[k]
+        if self.ahead[k]:  # the cache keeps only the committed tokens it saves
+            n = torch.zeros(len(self.fed), dtype=torch.long)
+            n[k] = len(self.ahead[k])
+            self.cache.rollback(n)
+            self.ahead[k] = []
         if row is not None and self.clean and self.fed[k] and not self.skipped[k]:
             tokens = row.committed[: self.fed[k]]
             pin = self.prefix.save(self.cache, k, tokens, {}, pin, row.partition)
@@ -166,16 +176,28 @@ class ModelDraftRunner(DrafterRunner):
     def _feeds(self, first: torch.Tensor) -> tuple[list[list[int]], list[int]]:
         """Each row's input to the first draft pass: what it committed since its last draft,
         then its pending tokens (the last of them is `first`); and how many of those are
-        uncommitted. Without rows (timing passes): just `first`."""
+        uncommitted. The tokens its last chain left in the cache (`ahead`) count as read where
+        the row committed the same ones since; the rest are rolled back. Without rows (timing
+        passes): just `first`."""
         if self.rows is None:
             return [[t] for t in first.tolist()], [1] * len(first)
+        back = []
         for k, r in enumerate(self.rows):
             if self.owners[k] is None:
                 self._resume(k, r)
-        back = [max(0, f - len(r.committed)) for f, r in zip(self.fed, self.rows)]
-        if any(back):  # (never by the loop: committed stays exact)
+            ahead, self.ahead[k] = self.ahead[k], []
+            f, n = self.fed[k], len(r.committed)
+            same = 0
+            for a, c in zip(ahead, r.committed[f:] if f <= n else []):
+                if a != c:
+                    break
+                same += 1
+            # the rest of what it read ahead, and committed tokens it no longer has (never by
+            # the loop: committed stays exact)
+            back.append(len(ahead) - same + max(0, f - n))
+            self.fed[k] = min(f, n) + same
+        if any(back):
             self.cache.rollback(torch.tensor(back))
-            self.fed = [f - k for f, k in zip(self.fed, back)]
         pending = [list(r.pending) or [0] for r in self.rows]
         feeds = [r.committed[f:] + p for r, f, p in zip(self.rows, self.fed, pending)]
         return feeds, [len(p) for p in pending]
@@ -193,7 +215,7 @@ class ModelDraftRunner(DrafterRunner):
         T = int(n.max())
         ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dm.device)
         out = torch.empty((B, width - 1, dm.config.vocab_size), device=self.model.device)
-        read = 0  # drafts the cache read after the feeds
+        read: list[torch.Tensor] = []  # the drafts the cache read after the feeds
         with torch.inference_mode():
             h = dm(ids, self.cache, "causal", n_valid=n)
             last = h[torch.arange(B), n.to(h.device) - 1]  # [B, D]: each row's last real token
@@ -209,11 +231,14 @@ class ModelDraftRunner(DrafterRunner):
                         break
                 if i < width - 2:  # the next pass reads this draft
                     last = dm(picked[:, None].to(dm.device), self.cache, "causal")[:, -1]
-                    read += 1
-            # the drafts and the pending tokens leave the cache: it keeps committed tokens only
-            self.cache.rollback(torch.tensor(tails) + read)
+                    read.append(picked.cpu())
+            if self.rows is None:  # timing passes: the cache keeps its committed tokens only
+                self.cache.rollback(torch.tensor(tails) + len(read))
         self.clean = True
         self.fed = [f + len(feed) - t for f, feed, t in zip(self.fed, feeds, tails)]
+        if self.rows is not None:  # the pending tokens and the drafts read stay (`_feeds`)
+            drafts = torch.stack(read, 1).tolist() if read else [[] for _ in feeds]
+            self.ahead = [feed[len(feed) - t :] + d for feed, t, d in zip(feeds, tails, drafts)]
         self.rows = None
         return out
 
