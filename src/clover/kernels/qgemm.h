@@ -84,6 +84,11 @@ constexpr int64_t tile_bytes(int bits, int group) {
   return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 192 : 16 * group;
 }
 
+// Where a tile's group keeps the 32-bit masks of one high bit of its levels, after the group's
+// nibbles (8 group bytes), 2 group bytes a plane: int5's bit 4 (group 32, plane 0: byte 256),
+// int6's bits 4 and 5 (group 16, planes 0 and 1: bytes 128 and 160)
+constexpr int64_t mask_offset(int group, int plane) { return 8 * group + 2 * group * plane; }
+
 // Calls f(P, BITS, LOW, F16) with compile-time constants (std::integral_constant) for the
 // weights' format: P pairs of k per group (16; 8 for groups of 16), BITS 4, 5, 6 or 8,
 // affine levels (LOW) or not, float16 scales or not. Each instruction set instantiates its

@@ -29,10 +29,10 @@ namespace {
 template <int BITS>
 CLOVER_INLINE void unpack_pair(const uint8_t* base, int p, __m256* w) {
   uint32_t high = 0, top = 0;  // int5, int6: bit w = bit 4 (top: 5) of word w's level + bias
-  if (BITS == 5) std::memcpy(&high, base + 256 + 4 * p, 4);
+  if (BITS == 5) std::memcpy(&high, base + mask_offset(32, 0) + 4 * p, 4);
   if (BITS == 6) {
-    std::memcpy(&high, base + 128 + 4 * p, 4);
-    std::memcpy(&top, base + 160 + 4 * p, 4);
+    std::memcpy(&high, base + mask_offset(16, 0) + 4 * p, 4);
+    std::memcpy(&top, base + mask_offset(16, 1) + 4 * p, 4);
   }
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int h = 0; h < 4; ++h) {

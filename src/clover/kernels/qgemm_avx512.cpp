@@ -73,7 +73,7 @@ CLOVER_INLINE __m512i unpack_pair(const uint8_t* base, int p, __m512i table) {
     __m512i nib = p % 4 ? _mm512_srli_epi16(v, 4 * (p % 4)) : v;
     nib = _mm512_and_si512(nib, _mm512_set1_epi16(15));
     uint32_t high;
-    std::memcpy(&high, base + 256 + 4 * p, 4);
+    std::memcpy(&high, base + mask_offset(32, 0) + 4 * p, 4);
     nib = _mm512_mask_add_epi16(nib, static_cast<__mmask32>(high), nib, _mm512_set1_epi16(16));
     return _mm512_permutexvar_epi16(nib, table);
   }
@@ -82,8 +82,8 @@ CLOVER_INLINE __m512i unpack_pair(const uint8_t* base, int p, __m512i table) {
     __m512i idx = p % 4 ? _mm512_srli_epi16(v, 4 * (p % 4)) : v;
     idx = _mm512_and_si512(idx, _mm512_set1_epi16(15));
     uint32_t b4, b5;
-    std::memcpy(&b4, base + 128 + 4 * p, 4);
-    std::memcpy(&b5, base + 160 + 4 * p, 4);
+    std::memcpy(&b4, base + mask_offset(16, 0) + 4 * p, 4);
+    std::memcpy(&b5, base + mask_offset(16, 1) + 4 * p, 4);
     idx = _mm512_mask_add_epi16(idx, static_cast<__mmask32>(b4), idx, _mm512_set1_epi16(16));
     idx = _mm512_mask_add_epi16(idx, static_cast<__mmask32>(b5), idx, _mm512_set1_epi16(32));
     __m512i lo, hi;

@@ -123,10 +123,10 @@ CLOVER_INLINE void store(const QGemm& a, int64_t t, int h, __m256* y) {
 }
 
 // 4- and 5-bit levels (groups of 32) and 6-bit ones (groups of 16), MR rows of x on PL int8
-// planes. Up to 2 rows (4 rows
-// of int4 with x on one plane) take both halves of the tile at once: each broadcast of x then
-// serves 16 weight rows, which makes 3- to 16-row int4 passes faster (int5's high bits and x
-// on two planes fill the registers: 3 or 4 rows, one half after the other).
+// planes. Up to 2 rows (4 rows of int4 with x on one plane) take both halves of the tile at
+// once: each broadcast of x then serves 16 weight rows, which makes 3- to 16-row int4 passes
+// faster (int5's high bits and x on two planes fill the registers: 3 or 4 rows, one half after
+// the other).
 template <int MR, int BITS, bool LOW, bool F16, int PL>
 void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
   constexpr int GROUP = BITS == 6 ? 16 : 32;
@@ -164,8 +164,8 @@ void run_nibbles(const QGemm& a, int64_t t0, int64_t t1) {
               return _mm256_broadcastsi128_si256(
                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + at + 16 * c)));
             };
-            if (BITS == 5) m = masks(256);
-            if (BITS == 6) m = masks(128), m5 = masks(160);
+            if (BITS == 5) m = masks(mask_offset(32, 0));
+            if (BITS == 6) m = masks(mask_offset(16, 0)), m5 = masks(mask_offset(16, 1));
             for (int i = 0; i < HN; ++i) {
               const int h = h0 + i;
               const __m256i v =

@@ -38,8 +38,8 @@ int level_at(const QGemm& a, int64_t n, int64_t k) {
       std::memcpy(&high, base + at + 4 * (4 * c + j), 4);
       return static_cast<int>((high >> w) & 1u);
     };
-    if (a.bits == 5) return nibble + 16 * bit(256) - 16;
-    return nibble + 16 * bit(128) + 32 * bit(160) - 32;
+    if (a.bits == 5) return nibble + 16 * bit(mask_offset(32, 0)) - 16;
+    return nibble + 16 * bit(mask_offset(16, 0)) + 32 * bit(mask_offset(16, 1)) - 32;
   }
   return static_cast<int8_t>(base[(kk / 2) * 32 + 2 * i + e]);
 }

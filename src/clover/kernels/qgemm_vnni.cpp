@@ -4,9 +4,8 @@
 // multiply-adds an instruction, summed exactly in int32. The bfloat16 path spends two
 // instructions per pair of k unpacking 4-bit levels (shift, table lookup) beside one
 // `vdpbf16ps` of 32 multiply-adds, so one row takes several times as long as reading the
-// weights; here
-// a 64-byte chunk of 4-bit levels unpacks into bytes with three instructions for four
-// `vpdpbusd` (two planes of x, below).
+// weights; here a 64-byte chunk of 4-bit levels unpacks into bytes with three instructions for
+// four `vpdpbusd` (two planes of x, below).
 //
 // x in 8 bits per group (llama.cpp's Q8_0 activations) is too coarse for some models: one
 // outlier sets the step of its 31 neighbours, and a small model's next-token KL against
@@ -118,10 +117,10 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
           const __m512i v = _mm512_loadu_si512(base + 64 * c);
           __m512i lo = _mm512_and_si512(v, nib);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-          if (BITS == 5) add_high_bits(base + 256, c, 16, lo, hi);
+          if (BITS == 5) add_high_bits(base + mask_offset(32, 0), c, 16, lo, hi);
           if (BITS == 6) {
-            add_high_bits(base + 128, c, 16, lo, hi);
-            add_high_bits(base + 160, c, 32, lo, hi);
+            add_high_bits(base + mask_offset(16, 0), c, 16, lo, hi);
+            add_high_bits(base + mask_offset(16, 1), c, 32, lo, hi);
           }
           for (int r = 0; r < MR; ++r)
             for (int pl = 0; pl < 2; ++pl) {
@@ -163,9 +162,9 @@ void run(const QGemm& a, int64_t t0, int64_t t1) {
 // row costs two an unpacked chunk and up to 8 rows share one unpacking. The dots are exact
 // and the epilogue is qgemm_dots_avx2.cpp's, lane for lane, so a row's result equals that
 // path's to the bit; this one needs fewer instructions a chunk than that one at one row, and
-// keeps passes of 5 to 16 rows off the bfloat16 path. Up to 4
-// rows take two chains a row (the chunk's low and high nibbles), then one: enough
-// independent sums either way, and 8 rows' sums + outputs fit the registers.
+// keeps passes of 5 to 16 rows off the bfloat16 path. Up to 4 rows take two chains a row (the
+// chunk's low and high nibbles), then one: enough independent sums either way, and 8 rows'
+// sums + outputs fit the registers.
 template <int MR, int BITS, bool LOW, bool F16>
 void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
   constexpr int GROUP = BITS == 6 ? 16 : 32;
@@ -188,10 +187,10 @@ void run_x8(const QGemm& a, int64_t t0, int64_t t1) {
         const __m512i v = _mm512_loadu_si512(base + 64 * c);
         __m512i lo = _mm512_and_si512(v, nib);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        if (BITS == 5) add_high_bits(base + 256, c, 16, lo, hi);
+        if (BITS == 5) add_high_bits(base + mask_offset(32, 0), c, 16, lo, hi);
         if (BITS == 6) {
-          add_high_bits(base + 128, c, 16, lo, hi);
-          add_high_bits(base + 160, c, 32, lo, hi);
+          add_high_bits(base + mask_offset(16, 0), c, 16, lo, hi);
+          add_high_bits(base + mask_offset(16, 1), c, 32, lo, hi);
         }
         for (int r = 0; r < MR; ++r) {
           const int8_t* xp = x + r * K + 8 * c;
