@@ -40,7 +40,7 @@ def main() -> None:
 
     def run(prompt: str, stop: float | None) -> dict:
         llm.prefix_cache.clear()
-        llm.runtime._acceptance.clear()  # the drafts' shared acceptance: back to the prior
+        llm.runtime.forget_acceptance()  # the drafts' shared acceptance: back to the prior
         draft_model.ModelDraftRunner.STOP_BELOW = stop or 0.0
         decoder = "ar" if stop is None else None  # None: the model's default
         settings = GenerationSettings(max_tokens=args.tokens, decoder=decoder)

@@ -155,6 +155,10 @@ def test_rows_start_from_what_earlier_rows_saw():
     assert book.p[0] > 0.5 and fresh.p[0] > 0.5
     longer = Acceptance(6, shared=book)  # more positions than the book: the rest at the prior
     assert len(longer.p) == 6 and longer.p[5] == 0.6
+    first.update(drafted=4, accepted=0)
+    runtime.forget_acceptance()  # every estimate anew, at its prior
+    assert runtime.shared_acceptance("drafter", 4) is not book
+    assert runtime.shared_acceptance("drafter", 4).p == [0.6] * 4
 
 
 def test_the_shared_estimates_drift_once_per_step_at_any_batch(monkeypatch):

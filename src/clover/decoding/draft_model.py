@@ -221,11 +221,12 @@ class ModelDraftRunner(DrafterRunner):
             last = h[torch.arange(B), n.to(h.device) - 1]  # [B, D]: each row's last real token
             sure = torch.ones(B, device=out.device)  # each row's chain, as the draft model sees it
             for i in range(width - 1):
-                self._logits(last[:, None], out[:, i : i + 1])
+                part = self._head_logits(last[:, None])  # [B, 1, k]: the draft vocabulary's
+                self._spread(part, out[:, i : i + 1])
                 picked = out[:, i].argmax(-1) if pick is None else pick(i, out[:, i])
-                if stop:
-                    p = torch.softmax(out[:, i], -1).gather(1, picked[:, None].to(out.device))
-                    sure *= p[:, 0]
+                if stop:  # the draft's probability, normalized over the draft vocabulary
+                    logit = out[:, i].gather(1, picked[:, None].to(out.device))[:, 0]
+                    sure *= (logit - part[:, 0].logsumexp(-1)).exp()
                     if bool((sure < stop).all()) and i < width - 2:
                         out = out[:, : i + 1]
                         break

@@ -418,7 +418,11 @@ class DrafterRunner:
     def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """final hidden [B, n, D] -> logits [B, n, V] (the draft vocabulary's, every other
         token at -inf: never drafted), in `out` when given."""
-        part = self._head_logits(h)  # [B, n, k]
+        return self._spread(self._head_logits(h), out)
+
+    def _spread(self, part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`_head_logits`' [B, n, k] -> [B, n, V], every id outside the draft vocabulary at
+        -inf (in `out` when given)."""
         if self.head is None:
             return part if out is None else out.copy_(part)
         shape = (*part.shape[:2], self.drafter.config.vocab_size)

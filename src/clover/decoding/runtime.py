@@ -62,6 +62,11 @@ class Runtime:
             self._acceptance[key] = Acceptance(positions, rate=0.05, drift=0.002, **prior)
         return self._acceptance[key]
 
+    def forget_acceptance(self) -> None:
+        """Every shared estimate back to its prior (benchmarks that compare settings answer by
+        answer start each one alike)."""
+        self._acceptance.clear()
+
     def relax(self) -> None:
         """One step of drift for the shared estimates: once per decode step, so they come
         back toward the prior at the same pace at batch 1 and batch 8."""
