@@ -2,7 +2,9 @@
 
 import json
 
-from clover.decoding.costs import Acceptance, PassCosts, batch_length, best_length
+import pytest
+
+from clover.decoding.costs import Acceptance, PassCosts, batch_length, best_length, chain_cost
 from clover.decoding.timing import cached_costs
 from tests.conftest import tiny_model
 
@@ -194,3 +196,20 @@ def test_a_row_keeps_estimates_only_for_the_sources_it_drafts_from():
     assert sources("drafter+lookup") == {"drafter", "lookup"}
     assert sources("lookup+store") == {"lookup", "store"}
     assert sources("drafter+lookup+store") == {"drafter", "lookup", "store"}
+
+
+def test_a_chain_that_stops_itself_is_priced_by_the_passes_it_runs():
+    """A chain that stops where its drafts become unlikely runs its pass for draft i about as
+    often as the drafts before it are kept: priced so, longer chains pay where each pass
+    costs a third of a step (a 0.5B drafting for the 1.5B); at acceptance 1 nothing changes."""
+    costs = PassCosts({1: 40.0, 2: 43.5, 3: 46.0, 4: 50.0, 5: 54.0, 6: 57.0},
+                      {2: 14.0, 3: 27.0, 4: 40.0, 5: 53.0, 6: 66.0})  # fmt: skip
+    accept = [0.85] * 5
+    cost = chain_cost(accept, costs.draft)
+    assert cost(0) == 0 and cost(1) == costs.draft(1)
+    assert cost(3) == pytest.approx(14 + 13 * 0.85 + 13 * 0.85**2)
+    assert chain_cost([1.0] * 5, costs.draft)(4) == costs.draft(4)
+    plain = best_length(accept, costs, 5, drafter=True)
+    priced = best_length(accept, costs, 5, drafter=True, stops=True)
+    assert 0 < plain < priced == 5
+    assert best_length([0.1] * 5, costs, 5, drafter=True, stops=True) == 0  # still none

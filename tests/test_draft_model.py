@@ -10,7 +10,7 @@ from clover.decoding.policies import SelfSpec
 from clover.decoding.runtime import Runtime
 from clover.errors import CloverError
 from tests.conftest import tiny_model
-from tests.test_drafter import answer_in_batch, decoded
+from tests.test_drafter import answer_in_batch, decoded, drafter_for
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
 
@@ -363,6 +363,43 @@ def test_a_draft_model_is_tried_from_its_own_prior():
     [r] = decoded(runtime, [PROMPTS[0]], SelfSpec(block_size=4, draft="drafter"), 16)
     assert r.drafts["drafter"][0] > 0
     assert runtime.shared_acceptance("drafter", 3).p[0] > ModelDraftRunner.PRIOR  # all kept
+
+
+def test_a_row_alone_prices_the_chains_that_stop_themselves(monkeypatch):
+    """A draft model's row alone asks the costs to price its chains by the passes they are
+    likely to run (they stop themselves: STOP_BELOW); rows of a batch, a draft model without
+    the stop or with PRICE_STOPS off, and a trained drafter price k passes. Answers are ar's."""
+    from clover.decoding.sources import DraftSources
+
+    asked = []
+    length = DraftSources.drafter_length
+
+    def spy(self, room, stops=False):
+        asked.append(stops)
+        return length(self, room, stops)
+
+    monkeypatch.setattr(DraftSources, "drafter_length", spy)
+    model = tiny_model(seed=3)
+    policy = SelfSpec(block_size=4, draft="drafter")
+    cases = [
+        (model, {}, 1, True),
+        (model, {}, 2, False),
+        (model, {"STOP_BELOW": 0.0}, 1, False),
+        (model, {"PRICE_STOPS": False}, 1, False),
+        (drafter_for(model), {}, 1, False),
+    ]
+    for draft, attrs, rows, want in cases:
+        for name, value in attrs.items():
+            monkeypatch.setattr(ModelDraftRunner, name, value)
+        asked.clear()
+        runtime = Runtime(model, draft)
+        prompts = [PROMPTS[0], PROMPTS[2]][:rows]
+        ar = decoded(runtime, prompts, "ar", 12)
+        spec = decoded(runtime, prompts, policy, 12)
+        assert [r.tokens for r in spec] == [r.tokens for r in ar]
+        assert asked and set(asked) == {want}, (attrs, rows, asked)
+        monkeypatch.undo()
+        monkeypatch.setattr(DraftSources, "drafter_length", spy)
 
 
 def test_draft_model_pass_costs_are_timed():

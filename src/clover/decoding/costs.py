@@ -70,16 +70,36 @@ class PassCosts:
         return self._rows(self.draft_rows_ms, self.draft_ms, rows, k + 1) if k else 0.0
 
 
-def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool = False) -> int:
-    """The draft length in 0 .. most with the highest expected tokens per ms."""
-    return best_rate(accept, costs, most, drafter)[0]
+def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool = False,
+                stops: bool = False) -> int:  # fmt: skip
+    """The draft length in 0 .. most with the highest expected tokens per ms; `stops`: the
+    drafter's chains stop themselves (`chain_cost`)."""
+    return best_rate(accept, costs, most, drafter, stops)[0]
 
 
-def best_rate(accept: list[float], costs: PassCosts, most: int,
-              drafter: bool = False) -> tuple[int, float]:  # fmt: skip
+def best_rate(accept: list[float], costs: PassCosts, most: int, drafter: bool = False,
+              stops: bool = False) -> tuple[int, float]:  # fmt: skip
     """(that length, its expected tokens per ms)."""
     draft = costs.draft if drafter else (lambda k: 0.0)
+    if drafter and stops:
+        draft = chain_cost(accept, costs.draft)
     return _best([accept], 0, costs.verify, draft, most)
+
+
+def chain_cost(accept: list[float], draft: Callable[[int], float]) -> Callable[[int], float]:
+    """k -> the expected ms of a chain of at most k drafts that stops itself where its drafts
+    become unlikely (`ModelDraftRunner.STOP_BELOW`): its pass for draft i runs as often as
+    the drafts before it are kept (their acceptance stands in for the draft model's own
+    certainty, which is what stops the chain)."""
+
+    def cost(k: int) -> float:
+        total, survive = 0.0, 1.0
+        for i in range(1, k + 1):
+            total += (draft(i) - draft(i - 1)) * survive
+            survive *= accept[i - 1] if i - 1 < len(accept) else accept[-1]
+        return total
+
+    return cost
 
 
 def batch_length(accepts: list[list[float]], riders: int, costs: PassCosts, most: int) -> int:

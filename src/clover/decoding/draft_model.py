@@ -93,6 +93,16 @@ class ModelDraftRunner(DrafterRunner):
         release_freed_memory()
         return (None, None) if head is None else (head, vocab.to(draft.device))
 
+    # with STOP_BELOW, the costs price a row alone's chain of k drafts by the passes it is
+    # likely to run, not k (`costs.chain_cost`): it stops itself where it becomes unsure, so
+    # its later passes run where the drafts before them are likely kept; longer chains then
+    # pay (benchmarks/draft_stop.py, `:priced`). False: k passes.
+    PRICE_STOPS = True
+
+    @property
+    def stops_chains(self) -> bool:
+        return self.PRICE_STOPS and self.STOP_BELOW > 0
+
     @property
     def block_size(self) -> int:
         return self.MOST

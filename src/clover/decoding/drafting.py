@@ -74,6 +74,9 @@ class DrafterRunner:
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
+    # whether a chain stops itself where its drafts become unlikely (`ModelDraftRunner`)
+    stops_chains = False
+
     @property
     def grows_trees(self) -> bool:
         """Whether the drafter grows trees itself, one pass per depth (a chain drafter), or
@@ -175,7 +178,9 @@ class DrafterRunner:
         rows: the batch's rows (a SpecRow drafts with `uses_drafter`)."""
         drafting = [getattr(r, "uses_drafter", False) for r in rows]
         kept = torch.where(torch.tensor(drafting), kept, 0)
-        lengths = [r.drafter_length() if d and k in keep else 0
+        # a row alone whose chains stop themselves pays for the passes they are likely to run
+        stops = len(keep) == 1 and self.stops_chains
+        lengths = [r.drafter_length(stops) if d and k in keep else 0
                    for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
         if len(keep) > 1:
             lengths = self._batch_lengths(rows, lengths, len(keep))

@@ -70,9 +70,10 @@ class DraftSources:
                 return []
         return found[:k]
 
-    def drafter_length(self, room: int) -> int:
-        """How far the drafter should draft for a pass that may keep `room` tokens."""
+    def drafter_length(self, room: int, stops: bool = False) -> int:
+        """How far the drafter should draft for a pass that may keep `room` tokens; `stops`:
+        its chains stop themselves where their drafts become unlikely (`costs.chain_cost`)."""
         most = min(self.block - 1, room)
         if self.costs is None:
             return most
-        return best_length(self.acceptance["drafter"].p, self.costs, most, drafter=True)
+        return best_length(self.acceptance["drafter"].p, self.costs, most, True, stops)

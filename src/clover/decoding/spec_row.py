@@ -89,9 +89,10 @@ class SpecRow(Row):
             return []
         return self.sources.lookup(self.max_new - len(self.answer) - 1, self.grows_tree)
 
-    def drafter_length(self) -> int:
+    def drafter_length(self, stops: bool = False) -> int:
         """How many tokens the drafter should draft for the next pass (0: none, also when the
-        next plan will take a context match instead: that drafter pass would be thrown away)."""
+        next plan will take a context match instead: that drafter pass would be thrown away);
+        `stops`: `DraftSources.drafter_length`'s."""
         room = self.max_new - len(self.answer) - 1
         if (
             not self.sources.uses_drafter
@@ -102,7 +103,7 @@ class SpecRow(Row):
             or (self._lookup() and not self.grows_tree)
         ):
             return 0
-        return self.sources.drafter_length(room)
+        return self.sources.drafter_length(room, stops)
 
     def take_drafts(
         self,
