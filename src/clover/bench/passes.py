@@ -14,7 +14,9 @@ embedding, layout, Python). Each component stands beside its bound on this machi
     attention: max(K/V bytes / bandwidth, 4 * queries * keys * head_dim / float32 peak)
 with the bandwidth and peaks timed at the start: a read as large as the model's weights (at
 least 128 MB, since a model that fits in its share of L3 reads at the cache's rate and a larger
-one streams from DRAM, which is slower), and PyTorch's bf16 and float32 matmuls. The matmul
+one streams from DRAM, which is slower), from memory in huge pages as the packed weights are
+(`checkpoints.packed.anonymous_memory`: 4 KB pages read a 1 GB buffer at 25 GB/s where huge
+pages give 30 on one machine), and PyTorch's bf16 and float32 matmuls. The matmul
 peak is the better of the two: a CPU without bfloat16 arithmetic multiplies bf16 so slowly
 that every weight bound would become a compute bound. The integer dots of short passes may
 beat the float peak. The timing of one pass is `decoding.timing.pass_costs`, which the decode
@@ -29,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from clover.checkpoints.packed import anonymous_memory
 from clover.decoding.timing import pass_costs
 from clover.kernels.qgemm import QWeight
 from clover.quant import Int4Linear, Int8Linear
@@ -50,8 +53,12 @@ def measure_machine(seconds: float = 0.5, read_bytes: int = 128 * 1024 * 1024) -
             best = min(best, time.perf_counter() - t0)
         return work / best / 1e9
 
-    big = torch.ones(read_bytes // 4)
-    out = {"bandwidth_gb_s": round(rate(lambda: big.sum(), big.numel() * 4), 1)}
+    def read_rate() -> float:
+        memory = anonymous_memory(read_bytes)
+        big = torch.frombuffer(memory, dtype=torch.float32, count=read_bytes // 4).fill_(1.0)
+        return rate(lambda: big.sum(), big.numel() * 4)  # the memory goes with its one view
+
+    out = {"bandwidth_gb_s": round(read_rate(), 1)}
     n = 1024
     for dtype, key in ((torch.bfloat16, "bf16_gflop_s"), (torch.float32, "fp32_gflop_s")):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)

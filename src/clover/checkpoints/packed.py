@@ -98,6 +98,20 @@ class PackWriter:
         self.fh.write(raw + struct.pack("<Q", len(raw)) + TAIL)
 
 
+def anonymous_memory(size: int) -> mmap.mmap:
+    """`size` bytes of private anonymous memory, in huge pages where the kernel gives them.
+    Private: Python's anonymous maps are shared by default, and shared memory takes huge pages
+    only where the system enables them for shmem (commonly never)."""
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if private:
+        buf = mmap.mmap(-1, max(size, 1), flags=private)
+    else:  # Windows: no flags
+        buf = mmap.mmap(-1, max(size, 1))
+    with contextlib.suppress(AttributeError, OSError):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
 class _Reader(threading.Thread):
     """Reads a file's first `size` bytes into anonymous memory (huge pages where the kernel
     gives them), in the background: the read releases the GIL, so a loader goes on (the
@@ -107,15 +121,7 @@ class _Reader(threading.Thread):
     def __init__(self, path: Path, size: int) -> None:
         super().__init__(daemon=True)
         self.path, self.size, self.error = path, size, None
-        # private: Python's anonymous maps are shared by default, and shared memory takes huge
-        # pages only where the system enables them for shmem (commonly never)
-        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        if private:
-            self.buf = mmap.mmap(-1, max(size, 1), flags=private)
-        else:  # Windows: no flags
-            self.buf = mmap.mmap(-1, max(size, 1))
-        with contextlib.suppress(AttributeError, OSError):
-            self.buf.madvise(mmap.MADV_HUGEPAGE)
+        self.buf = anonymous_memory(size)
         self.start()
 
     def run(self) -> None:
