@@ -369,6 +369,7 @@ def test_a_row_alone_prices_the_chains_that_stop_themselves(monkeypatch):
     """A draft model's row alone asks the costs to price its chains by the passes they are
     likely to run (they stop themselves: STOP_BELOW); rows of a batch, a draft model without
     the stop or with PRICE_STOPS off, and a trained drafter price k passes. Answers are ar's."""
+    from clover.decoding.costs import PassCosts
     from clover.decoding.sources import DraftSources
 
     asked = []
@@ -381,6 +382,9 @@ def test_a_row_alone_prices_the_chains_that_stop_themselves(monkeypatch):
     monkeypatch.setattr(DraftSources, "drafter_length", spy)
     model = tiny_model(seed=3)
     policy = SelfSpec(block_size=4, draft="drafter")
+    cheap = PassCosts({1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}, {2: 1.0, 3: 2.0, 4: 3.0},
+                      {2: {w: 10.0 + w / 2 for w in range(1, 6)}},
+                      {2: {w: w - 1.0 for w in range(2, 6)}})  # fmt: skip
     cases = [
         (model, {}, 1, True),
         (model, {}, 2, False),
@@ -393,6 +397,7 @@ def test_a_row_alone_prices_the_chains_that_stop_themselves(monkeypatch):
             monkeypatch.setattr(ModelDraftRunner, name, value)
         asked.clear()
         runtime = Runtime(model, draft)
+        runtime._costs[True] = cheap  # drafts pay, in batches too: every row is asked
         prompts = [PROMPTS[0], PROMPTS[2]][:rows]
         ar = decoded(runtime, prompts, "ar", 12)
         spec = decoded(runtime, prompts, policy, 12)

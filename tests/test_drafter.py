@@ -541,6 +541,34 @@ def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
     assert capped.waiting == [0]
 
 
+def test_a_batch_where_no_length_pays_skips_asking_each_row(monkeypatch):
+    """Where no common draft length could pay for the batch even with every adaptive row
+    drafting its longest, the rows are not asked (`DrafterRunner._batch_idle`); their drafts,
+    kept drafts and verify passes are the same as when every row is asked, at costs where the
+    batch drafts on some steps and not on others."""
+    from clover.decoding.costs import PassCosts
+    from clover.decoding.drafting import DrafterRunner
+    from clover.decoding.policies import SelfSpec
+    from clover.decoding.runtime import Runtime
+
+    rows = {n: {w: 10.0 + 1.2 * n * (w - 1) for w in range(1, 6)} for n in (2, 4, 8)}
+    costs = PassCosts({1: 10.0, 33: 12.0}, {1: 0.5, 16: 1.0}, rows, {})
+    monkeypatch.setattr(Runtime, "pass_costs", lambda self, drafter=False: costs)
+    model = attached(tiny_model(seed=3))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    policy = SelfSpec(block_size=4, draft="drafter", adaptive=True)
+    idle, real = [], DrafterRunner._batch_idle
+    monkeypatch.setattr(DrafterRunner, "_batch_idle",
+                        staticmethod(lambda *a: idle.append(real(*a)) or idle[-1]))  # fmt: skip
+    skipping = decoded(model, prompts, policy, 24)
+    assert True in idle and False in idle  # both kinds of step
+    monkeypatch.setattr(DrafterRunner, "_batch_idle", staticmethod(lambda *a: False))
+    model.forget_acceptance()  # the second run starts from the same estimates
+    asking = decoded(model, prompts, policy, 24)
+    for a, b in zip(skipping, asking):
+        assert (a.tokens, a.drafts, a.accepted, a.nfe) == (b.tokens, b.drafts, b.accepted, b.nfe)
+
+
 @pytest.mark.parametrize("chain, tree", [(False, 0), (True, 6), (False, 6)])
 def test_drafter_rows_joining_a_running_batch_and_the_prefix_cache(chain, tree):
     """A drafting row that joins a running batch prefills alone (its drafter context from

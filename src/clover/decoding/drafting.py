@@ -127,10 +127,15 @@ class DrafterRunner:
         pass."""
         if self.cache is None:
             return
-        for b, c in enumerate(counts.tolist()):
-            if c:  # copied: a view would keep the whole pass's features alive
-                self.backlog[b].append(features[b, :c].clone())
-                self.waiting[b] += c
+        counts_ = counts.tolist()
+        if max(counts_, default=0):
+            # one copy for the batch (a view of the pass's features would keep all of them
+            # alive); each row's backlog holds a view of its part
+            copy = features[:, : max(counts_)].clone()
+            for b, c in enumerate(counts_):
+                if c:
+                    self.backlog[b].append(copy[b, :c])
+                    self.waiting[b] += c
         sizes = list(self.waiting)
         due = [n > 0 and (now is None or now[b] or n >= self.BACKLOG) for b, n in enumerate(sizes)]
         if not any(due):
@@ -180,8 +185,10 @@ class DrafterRunner:
         kept = torch.where(torch.tensor(drafting), kept, 0)
         # a row alone whose chains stop themselves pays for the passes they are likely to run
         stops = len(keep) == 1 and self.stops_chains
-        lengths = [r.drafter_length(stops) if d and k in keep else 0
-                   for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
+        # in a batch where no common length pays, the rows that follow the costs are not asked
+        idle = len(keep) > 1 and self._batch_idle(rows, drafting, keep)
+        lengths = [r.drafter_length(stops) if d and k in keep and not (idle and r.sources.costs)
+                   else 0 for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
         if len(keep) > 1:
             lengths = self._batch_lengths(rows, lengths, len(keep))
         # only the rows that draft now take what they committed into the drafter's context
@@ -203,6 +210,20 @@ class DrafterRunner:
                      now: list[bool]) -> None:  # fmt: skip
         """What each row kept of the last pass, for its drafter context: its features."""
         self.commit(features, kept, now)
+
+    @staticmethod
+    def _batch_idle(rows: list, drafting: list[bool], keep: list[int]) -> bool:
+        """Whether `_batch_lengths` would choose no drafts even if every row that follows the
+        costs asked for its longest: then asking each (a context lookup and a search over
+        lengths per row and step) is skipped. The same decision: fewer drafting rows or
+        shorter lengths only lower every length's expected tokens, at the same costs."""
+        rows = [r for k, (r, d) in enumerate(zip(rows, drafting))
+                if d and k in keep and r.sources.costs is not None]  # fmt: skip
+        if not rows:
+            return False
+        most = max(r.sources.block - 1 for r in rows)
+        accepts = [r.sources.acceptance["drafter"].p for r in rows]
+        return batch_length(accepts, len(keep) - len(rows), rows[0].sources.costs, most) == 0
 
     @staticmethod
     def _batch_lengths(rows: list, lengths: list[int], running: int) -> list[int]:
