@@ -127,12 +127,12 @@ class DrafterRunner:
         pass."""
         if self.cache is None:
             return
-        counts_ = counts.tolist()
-        if max(counts_, default=0):
+        per_row = counts.tolist()
+        if max(per_row, default=0):
             # one copy for the batch (a view of the pass's features would keep all of them
             # alive); each row's backlog holds a view of its part
-            copy = features[:, : max(counts_)].clone()
-            for b, c in enumerate(counts_):
+            copy = features[:, : max(per_row)].clone()
+            for b, c in enumerate(per_row):
                 if c:
                     self.backlog[b].append(copy[b, :c])
                     self.waiting[b] += c
@@ -217,13 +217,14 @@ class DrafterRunner:
         costs asked for its longest: then asking each (a context lookup and a search over
         lengths per row and step) is skipped. The same decision: fewer drafting rows or
         shorter lengths only lower every length's expected tokens, at the same costs."""
-        rows = [r for k, (r, d) in enumerate(zip(rows, drafting))
-                if d and k in keep and r.sources.costs is not None]  # fmt: skip
-        if not rows:
+        adaptive = [r for k, (r, d) in enumerate(zip(rows, drafting))
+                    if d and k in keep and r.sources.costs is not None]  # fmt: skip
+        if not adaptive:
             return False
-        most = max(r.sources.block - 1 for r in rows)
-        accepts = [r.sources.acceptance["drafter"].p for r in rows]
-        return batch_length(accepts, len(keep) - len(rows), rows[0].sources.costs, most) == 0
+        most = max(r.sources.block - 1 for r in adaptive)
+        accepts = [r.sources.acceptance["drafter"].p for r in adaptive]
+        costs = adaptive[0].sources.costs
+        return batch_length(accepts, len(keep) - len(adaptive), costs, most) == 0
 
     @staticmethod
     def _batch_lengths(rows: list, lengths: list[int], running: int) -> list[int]:
