@@ -323,6 +323,10 @@ def test_cli_speed_and_quality_with_an_adapter_and_a_drafter(tiny_checkpoint, tm
     assert report["settings"]["adapter"] == str(tmp_path / "a.safetensors")
     assert report["settings"]["drafter"] == str(tmp_path / "d.safetensors")
     assert report["rows"]["clover self_spec:4:drafter float32"]["peak_rss_mb"] > 0
+    # the pass costs its draft lengths followed, as timed for the drafter's row
+    costs = report["rows"]["clover self_spec:4:drafter float32"]["pass_costs_ms"]["drafter"]
+    assert costs["verify"]["1"] > 0 and costs["draft"] and costs["verify_by_rows"]["2"]
+    assert "pass_costs_ms" not in report["rows"]["clover ar float32"]
     q = tmp_path / "q.json"
     rc = main(["bench", "quality", "-m", str(tiny_checkpoint), "--limit", "2", "--max-tokens",
                "4", "--configs", "ar,self_spec:2", "--reference", "none", "--dtype", "float32",

@@ -20,7 +20,10 @@ Method (so the numbers reproduce and compare):
   min and max are reported;
 - peak RSS: each engine and precision is loaded alone in a fresh child process that runs all
   of its configs at the largest batch once; its `ru_maxrss` is the figure (a bare process
-  that imports the same libraries gives the baseline).
+  that imports the same libraries gives the baseline);
+- a `self_spec` row records the pass costs its draft lengths followed (`pass_costs_ms`): they
+  are timed once per machine and kernel build and kept, so two runs may decide with different
+  tables.
 """
 
 from __future__ import annotations
@@ -299,6 +302,8 @@ def run_speed(
         )
         if getattr(e, "compiled", False):
             row["compiled"] = True  # torch.compile'd causal passes (`LLM(compile=True)`)
+        if row["decoder"].startswith("self_spec"):  # the costs its draft lengths followed
+            row["pass_costs_ms"] = pass_cost_tables(e.llm.runtime.measured_costs())
         for batch in batches:
             runs = times.get((e.name, batch))
             if not runs:
@@ -329,6 +334,25 @@ def run_speed(
                 }  # fmt: skip
     _agreement(out, times, engines)
     return out
+
+
+def pass_cost_tables(costs: dict) -> dict:
+    """`Runtime.measured_costs()` as JSON: each table's ms by width (and by rows), to 0.1 ms.
+    Draft lengths follow these tables, and a table is timed once per machine and kernel build:
+    a results file says which one a run decided with."""
+
+    def ms(table: dict) -> dict:
+        return {str(w): round(v, 1) for w, v in sorted(table.items())}
+
+    return {
+        name: {
+            "verify": ms(c.verify_ms),
+            "draft": ms(c.draft_ms),
+            "verify_by_rows": {str(r): ms(t) for r, t in sorted(c.rows_ms.items())},
+            "draft_by_rows": {str(r): ms(t) for r, t in sorted(c.draft_rows_ms.items())},
+        }
+        for name, c in costs.items()
+    }
 
 
 def _agreement(out: dict, times: dict, engines: list[object]) -> None:

@@ -62,6 +62,11 @@ class Runtime:
             self._acceptance[key] = Acceptance(positions, rate=0.05, drift=0.002, **prior)
         return self._acceptance[key]
 
+    def measured_costs(self) -> dict[str, PassCosts]:
+        """The pass costs measured so far (nothing is timed here): "model" and "drafter" (the
+        model's with its drafter's passes), as `pass_costs` returned them."""
+        return {("drafter" if d else "model"): c for d, c in self._costs.items()}
+
     def forget_acceptance(self) -> None:
         """Every shared estimate back to its prior (benchmarks that compare settings answer by
         answer start each one alike)."""
