@@ -187,8 +187,9 @@ class DrafterRunner:
         stops = len(keep) == 1 and self.stops_chains
         # in a batch where no common length pays, the rows that follow the costs are not asked
         idle = len(keep) > 1 and self._batch_idle(rows, drafting, keep)
-        lengths = [r.drafter_length(stops) if d and k in keep and not (idle and r.sources.costs)
-                   else 0 for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
+        lengths = [r.drafter_length(stops)
+                   if d and k in keep and not (idle and r.sources.costs is not None) else 0
+                   for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
         if len(keep) > 1:
             lengths = self._batch_lengths(rows, lengths, len(keep))
         # only the rows that draft now take what they committed into the drafter's context
@@ -211,20 +212,15 @@ class DrafterRunner:
         """What each row kept of the last pass, for its drafter context: its features."""
         self.commit(features, kept, now)
 
-    @staticmethod
-    def _batch_idle(rows: list, drafting: list[bool], keep: list[int]) -> bool:
+    @classmethod
+    def _batch_idle(cls, rows: list, drafting: list[bool], keep: list[int]) -> bool:
         """Whether `_batch_lengths` would choose no drafts even if every row that follows the
         costs asked for its longest: then asking each (a context lookup and a search over
         lengths per row and step) is skipped. The same decision: fewer drafting rows or
         shorter lengths only lower every length's expected tokens, at the same costs."""
-        adaptive = [r for k, (r, d) in enumerate(zip(rows, drafting))
-                    if d and k in keep and r.sources.costs is not None]  # fmt: skip
-        if not adaptive:
-            return False
-        most = max(r.sources.block - 1 for r in adaptive)
-        accepts = [r.sources.acceptance["drafter"].p for r in adaptive]
-        costs = adaptive[0].sources.costs
-        return batch_length(accepts, len(keep) - len(adaptive), costs, most) == 0
+        longest = [r.sources.block - 1 if d and k in keep and r.sources.costs is not None else 0
+                   for k, (r, d) in enumerate(zip(rows, drafting))]  # fmt: skip
+        return any(longest) and not any(cls._batch_lengths(rows, longest, len(keep)))
 
     @staticmethod
     def _batch_lengths(rows: list, lengths: list[int], running: int) -> list[int]:
