@@ -2,12 +2,14 @@
 
 Usage: python benchmarks/drafter_ab.py NEW [--old DRAFTER] [--model M] [--prompt-set code]
        [--tokens 384] [--reps 2] [--old-vocab N[+drafter]] [--new-vocab N[+drafter]]
-       [--out FILE]
+       [--old-wide int8|int4] [--new-wide int8|int4] [--out FILE]
 
 A drafter is a drafter file or a smaller model of the same tokenizer (`--drafter`); a draft
 model's side may draft from its first N ids (`--old-vocab`, `--new-vocab`: its
 `draft_vocab`, 0 every id) and, given as N+drafter, its shipped drafter's ids too (its
-`draft_ids`, the default), so one draft model with two draft vocabularies can be compared.
+`draft_ids`, the default), so one draft model with two draft vocabularies can be compared;
+`--old-wide`/`--new-wide` load a draft model's tensors stored wider than 4 bits as they are
+(int8) or rounded to 4 bits (int4, the default: `LLM(draft_wide=...)`).
 The model is loaded twice, once with each drafter (OLD: the model's shipped one unless given);
 every prompt runs `ar` and the model's default decoding with each drafter, greedy, answers
 ending at EOS or `--tokens`, prefix cache off, in an order that rotates between repetitions so
@@ -63,11 +65,15 @@ def main() -> int:
     p.add_argument("--old-vocab", help="a draft model's draft_vocab on the OLD side: N, or "
                    "N+drafter (with its shipped drafter's ids)")  # fmt: skip
     p.add_argument("--new-vocab", help="the same on the NEW side")
+    for side in ("old", "new"):
+        p.add_argument(f"--{side}-wide", choices=("int8", "int4"), default="int4",
+                       help=f"the {side} draft model's wider tensors: kept or rounded to 4 "
+                       "bits")  # fmt: skip
     p.add_argument("--out")
     a = p.parse_args()
     record = machine()
-    llms = {"old": LLM(a.model, drafter=a.old, progress=False),
-            "new": LLM(a.model, drafter=a.new, progress=False)}  # fmt: skip
+    llms = {"old": LLM(a.model, drafter=a.old, progress=False, draft_wide=a.old_wide),
+            "new": LLM(a.model, drafter=a.new, progress=False, draft_wide=a.new_wide)}  # fmt: skip
     for name, vocab in (("old", a.old_vocab), ("new", a.new_vocab)):
         draft = llms[name].runtime.drafter
         if vocab is not None:
@@ -131,6 +137,7 @@ def main() -> int:
         "model": a.model,
         "drafters": {"old": a.old or "the model's own", "new": a.new},
         "draft_vocab": {"old": a.old_vocab, "new": a.new_vocab},
+        "draft_wide": {"old": a.old_wide, "new": a.new_wide},
         "settings": {"prompt_set": a.prompt_set, "max_tokens": a.tokens, "reps": a.reps,
                      "default": {k: v for k, v in dataclasses.asdict(default).items()
                                  if v is not None}, "greedy": True, "eos": "respected",

@@ -126,6 +126,56 @@ def test_projections_of_one_format_are_packed_together(tmp_path):
     assert isinstance(layer.self_attn.k_proj, Int4Part)
 
 
+def test_a_draft_models_wider_tensors_are_rounded_to_4_bits(tmp_path):
+    """A draft model's tensors stored wider than 4 bits are rounded to 4 bits unless asked
+    (`draft_wide`; fewer bytes a draft pass, and its precision changes no answer), the
+    model's own keep their levels; the two draft loads time their passes apart (their pass
+    costs' key names the bytes they read), and the answers stay `ar`'s."""
+    from clover.decoding import timing
+    from clover.decoding.loop import generate
+    from clover.decoding.policies import make_policy
+    from clover.decoding.runtime import Runtime
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, {"attn_q": "Q5_0", "attn_k": "Q4_K", "attn_v": "Q6_K",
+                      "attn_output": "Q8_0", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+                      "ffn_down": "Q6_K"}, config={"num_hidden_layers": 2})  # fmt: skip
+
+    def bits(model) -> set[int]:
+        return {m.weight.bits for m in model.model.layers.modules()
+                if isinstance(getattr(m, "weight", None), QWeight)}  # fmt: skip
+
+    rounded = load(str(path), dtype="int4", progress=False, drafter=str(path))
+    assert bits(rounded.model) == {4, 5, 6, 8} and bits(rounded.drafter_model) == {4}
+    kept = load(str(path), dtype="int4", progress=False, drafter=str(path), draft_wide="int8")
+    assert bits(kept.drafter_model) == {4, 5, 6, 8}
+    packs = sorted(p.name for p in (tmp_path / "cache").rglob("weights-*.pack"))
+    assert packs == [f"weights-{w}-v{packed.PACK_VERSION}.pack" for w in ("int4", "int8")]
+    int4 = next((tmp_path / "cache").rglob("weights-int4-*.pack"))  # packing again drops
+    stale = int4.with_name(f"weights-int8-v{packed.PACK_VERSION - 1}.pack")  # other versions
+    stale.write_bytes(b"old")
+    int4.unlink()
+    load(str(path), dtype="int4", progress=False, drafter=str(path))
+    assert sorted(p.name for p in int4.parent.glob("*.pack")) == packs
+    assert timing._packed_bytes(rounded.drafter_model) < timing._packed_bytes(kept.drafter_model)
+    with pytest.raises(CloverError, match="draft_wide"):
+        load(str(path), dtype="int4", progress=False, drafter=str(path), draft_wide="int2")
+
+    prompts = [[5, 6, 7, 5, 6], [9, 10, 11]]
+
+    def answers(model, policy) -> list[list[int]]:
+        results: list = []
+        for _ in generate(model, prompts, policy, max_new_tokens=12, results=results):
+            pass
+        return [r.tokens for r in results]
+
+    want = answers(rounded.model, make_policy("ar"))
+    for loaded in (rounded, kept):
+        runtime = Runtime(loaded.model, loaded.drafter_model)
+        policy = make_policy("self_spec", block_size=4, draft="drafter", adaptive=False)
+        assert answers(runtime, policy) == want
+
+
 def test_llama_rows_and_float_tensors_match_the_float_route(tmp_path):
     """A llama GGUF (q/k rows in llama.cpp's order) with float and quantized matrices: the
     packed model's matrices are the float route's (read_gguf) values, q/k rows in HF's order;

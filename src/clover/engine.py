@@ -142,13 +142,15 @@ class LLM:
         drafter: str | Path | None = None,
         wide: str = "int8",
         store: list[str | Path] | None = None,
+        draft_wide: str = "int4",
     ) -> None:
         """wide (int4 from a GGUF): tensors the file stores wider than 4 bits (Q5_0, Q6_K,
         Q8_0) keep their 8-bit levels ("int8": exact) or are rounded to 4 bits ("int4": fewer
-        bytes per pass, faster, not exact). drafter: a drafter file (`clover train drafter`)
-        for self_spec draft="drafter", or a smaller model of the same tokenizer (a name, GGUF
-        file or HF directory; "qwen2.5-coder-0.5b" for "qwen2.5-coder-1.5b") drafting as a
-        whole;
+        bytes per pass, faster, not exact); draft_wide: the same for a draft model (its
+        precision changes no answer: "int4" unless asked). drafter: a drafter file (`clover
+        train drafter`) for self_spec draft="drafter", or a smaller model of the same
+        tokenizer (a name, GGUF file or HF directory; "qwen2.5-coder-0.5b" for
+        "qwen2.5-coder-1.5b") drafting as a whole;
         adapter: a draft adapter file (`clover train adapt` writes one) to attach; a
         registry name that ships one (clover-smol-135m) attaches its own. compile:
         `torch.compile` the passes without block tokens (`DiffusionLM.compile_causal`) and
@@ -159,7 +161,7 @@ class LLM:
         self_spec draft="lookup+store" drafts from."""
         t0 = time.perf_counter()
         loaded = load(model, dtype=dtype, progress=progress, adapter=adapter, device=device,
-                      drafter=drafter, wide=wide)  # fmt: skip
+                      drafter=drafter, wide=wide, draft_wide=draft_wide)  # fmt: skip
         self.tokenizer = loaded.tokenizer
         # the model with its drafter, n-gram store, acceptance, pass costs and prefix cache
         self._runtime = Runtime(loaded.model, loaded.drafter_model)

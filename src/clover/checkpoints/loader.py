@@ -132,8 +132,8 @@ def packed_weights(
             return PackFile(path)
         except PackError as e:
             print(f"clover: {e}; packing it again", file=sys.stderr)
-    for old in entry.glob("weights-*.pack"):  # other versions: never read again
-        if old.name != path.name:
+    for old in entry.glob("weights-*.pack"):  # other versions (not wides): never read again
+        if not old.name.endswith(f"-v{PACK_VERSION}.pack"):
             old.unlink(missing_ok=True)
     gf = GGUFFile(resolved.path)
     try:
@@ -238,6 +238,7 @@ def load(
     device: str = "cpu",
     drafter: str | Path | None = None,
     wide: str = "int8",
+    draft_wide: str = "int4",
 ) -> Loaded:
     """adapter: a draft adapter file to attach; a registry name that ships one attaches its
     own. drafter: a drafter file for self_spec draft="drafter" (a registry name that ships one
@@ -246,11 +247,15 @@ def load(
     tokenizer (a name, GGUF file or HF directory) that drafts as a whole, loaded at `dtype`.
     device: cpu, cuda, cuda:N or auto (`resolve_device`): weights load on the CPU, then move.
     wide (int4 from a GGUF): the tensors stored wider than 4 bits keep their 8-bit levels
-    ("int8") or are rounded to 4 bits ("int4": smaller, not exact)."""
+    ("int8") or are rounded to 4 bits ("int4": smaller, not exact). draft_wide: the same for a
+    draft model's tensors; its precision changes no answer (verification keeps the model's
+    tokens), only how fast and how often it drafts right, so by default its wider tensors are
+    rounded to 4 bits: fewer bytes a draft pass (docs/drafter.md)."""
     if dtype not in DTYPES and dtype != "auto":
         raise CloverError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
-    if wide not in ("int8", "int4"):
-        raise CloverError(f"wide {wide!r}: int8 or int4")
+    for name, value in (("wide", wide), ("draft_wide", draft_wide)):
+        if value not in ("int8", "int4"):
+            raise CloverError(f"{name} {value!r}: int8 or int4")
     dev = resolve_device(device)
     dtype = device_dtype(dev, dtype)
     resolved, directory, packed = None, None, False
@@ -306,7 +311,7 @@ def load(
         keep_float32(net)
     net.to(dev)
     if drafter is not None and not _is_drafter_file(drafter):  # a draft model
-        d = _draft_model(str(drafter), net, tokenizer, dtype, progress, device, wide)
+        d = _draft_model(str(drafter), net, tokenizer, dtype, progress, device, draft_wide)
         drafter = str(drafter)
     elif drafter is not None:  # self_spec draft="drafter" (models/drafter.py)
         if not Path(drafter).is_file():

@@ -20,6 +20,7 @@ from clover import kernels
 from clover.decoding.costs import PassCosts
 from clover.decoding.draft_model import runner_for
 from clover.files import atomic_write_text, cache_dir
+from clover.kernels.qgemm import QWeight
 from clover.models.cache import ModelCache
 from clover.models.drafter import Drafter, fingerprint
 
@@ -110,7 +111,8 @@ def cached_costs(model: torch.nn.Module, label: str,
         label += f"|drafter:{c.target_fingerprint}:{c.num_hidden_layers}:{c.draft_vocab}"
     else:  # a draft model: its own weights and head
         weights = next(drafter.parameters()).dtype
-        label += f"|draft-model:{fingerprint(drafter)}:{_head_label(drafter)}:{weights}"
+        label += (f"|draft-model:{fingerprint(drafter)}:{_head_label(drafter)}:{weights}"
+                  f":{_packed_bytes(drafter)}")  # fmt: skip
         extra = drafter.draft_ids
         label += f":vocab{drafter.draft_vocab}" + ("" if extra is None else f"+{len(extra)}")
     theirs = _kept(costs_key(model, label), ("draft_ms", "draft_rows_ms"), model, drafter)
@@ -153,6 +155,13 @@ def _head_label(model: torch.nn.Module) -> str:
     if head is None:
         return "float"
     return f"{type(head).__name__}:{getattr(w, 'bits', '')}:{getattr(w, 'group', '')}"
+
+
+def _packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's packed weights: the same checkpoint loaded with its wider tensors
+    kept or rounded to 4 bits (`load(draft_wide=...)`) reads more or fewer a pass."""
+    return sum(m.weight.nbytes() for m in model.modules()
+               if isinstance(getattr(m, "weight", None), QWeight))  # fmt: skip
 
 
 # --- timing one pass -------------------------------------------------------------------------
