@@ -35,6 +35,27 @@ def test_ar_matches_uncached_greedy(model):
     assert res.tokens == seq[len(prompt) :]
 
 
+@pytest.mark.parametrize("shape", [(1, 151936), (8, 151936), (3, 5, 4099), (0, 64), (7,)])
+def test_greedy_ids_are_the_arg_max(shape):
+    """`greedy_ids` (max's index, the fast path) picks what `argmax` (the reference) picks:
+    the first of tied largest logits, a NaN over everything, +inf and -inf rows."""
+    from clover.decoding.sampling import greedy_ids
+
+    g = torch.Generator().manual_seed(sum(shape))
+    for trial in range(6):
+        x = torch.randint(-4, 4, shape, generator=g).float()  # many ties
+        if trial == 1:
+            x = torch.randn(shape, generator=g).half().float()
+        if x.numel() and trial >= 2:
+            flat = x.view(-1, x.shape[-1])
+            cols = torch.randint(0, x.shape[-1], (3,), generator=g)
+            value = {2: float("inf"), 3: float("-inf"), 4: float("nan"), 5: 9.0}[trial]
+            flat[:, cols] = value
+            if trial == 3:
+                flat[0] = float("-inf")  # a row with nothing allowed
+        assert torch.equal(greedy_ids(x), x.argmax(-1)), trial
+
+
 def test_greedy_draws_take_the_arg_max_and_skip_the_softmax_where_no_row_reads_it(
     model, monkeypatch
 ):

@@ -228,6 +228,52 @@ def test_lookup_drafts_never_widen_a_batched_pass():
     assert [s.tokens for s in mixed] == [a.tokens for a in ar]
 
 
+def test_a_batch_looks_up_only_for_rows_whose_pass_has_room(monkeypatch):
+    """Where no row holds a draft a match could replace, a batch looks up context drafts only
+    for rows narrower than the widest plan (here a low_confidence row's block makes room in
+    the others' passes until it ends): every pass, commit and draft as when every row looks
+    up (the reference), and the self_spec answers AR's."""
+    from clover.decoding.loop import BatchDecoder
+    from clover.decoding.spec_row import SpecRow
+
+    def reference(self):
+        return self._fit_lookup_drafts([r.plan(self.mask_id) for r in self.active])
+
+    model = tiny_model(5)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 5, [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]]
+    policies = [make_policy("low_confidence", block_size=4)] + [
+        SelfSpec(block_size=4, draft="lookup")
+    ] * 3
+
+    def decode() -> tuple[list, list, int]:
+        looked: list[int] = []
+        real = SpecRow._lookup
+        monkeypatch.setattr(SpecRow, "_lookup", lambda r: looked.append(1) or real(r))
+        batch = BatchDecoder(model)
+        rows, trace = [], []
+        for step in range(60):
+            if step in (0, 1, 5) and len(rows) < len(prompts):  # the last two join later
+                k = len(rows) + (2 if step == 0 else 0)
+                for p, policy in zip(prompts[len(rows) : k + 1], policies[len(rows) : k + 1]):
+                    rows.append(batch.add(p, policy, max_new_tokens=16 if rows else 8))
+            if not batch.active:
+                break
+            e = batch.step()
+            trace.append((e.forward_rows, e.forward_tokens,
+                          [(c.row, c.index, c.token) for c in e.commits]))  # fmt: skip
+        monkeypatch.undo()
+        return trace, [(r.result.tokens, r.result.drafts, r.result.nfe) for r in rows], len(looked)
+
+    trace, results, looked = decode()
+    monkeypatch.setattr(BatchDecoder, "_plan", reference)
+    want_trace, want_results, looked_all = decode()
+    assert trace == want_trace and results == want_results
+    assert looked < looked_all  # the shortcut skipped lookups
+    ar, _ = run(model, prompts[1:], make_policy("ar"), max_new=16)
+    assert [r[0] for r in results[1:]] == [a.tokens for a in ar]
+    assert any(d.get("lookup", [0, 0])[0] for _, d, _ in results)  # matches were drafted
+
+
 @pytest.mark.slow
 def test_warm_up_runs_every_kind_of_causal_pass():
     """`LLM.warm_up` (what `--compile` runs before the first request) must make each causal

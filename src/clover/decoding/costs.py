@@ -31,6 +31,8 @@ class PassCosts:
     draft_ms: dict[int, float] = field(default_factory=dict)
     rows_ms: dict[int, dict[int, float]] = field(default_factory=dict)
     draft_rows_ms: dict[int, dict[int, float]] = field(default_factory=dict)
+    # pass_ms's lists, by its arguments (the tables above never change once made)
+    _memo: dict[tuple, list[float]] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def _at(table: dict[int, float], w: int) -> float:
@@ -69,6 +71,21 @@ class PassCosts:
     def draft_batch(self, rows: int, k: int) -> float:
         return self._rows(self.draft_rows_ms, self.draft_ms, rows, k + 1) if k else 0.0
 
+    def pass_ms(self, rows: int, most: int, drafter: bool) -> list[float]:
+        """[k] -> ms of a pass of `rows` rows that verifies k drafts (with the drafter's
+        passes that drafted them when `drafter`), k = 0 .. most; made once per arguments
+        (a batch asks every step)."""
+        key = (rows, most, drafter)
+        if key not in self._memo:
+            if rows == 1:
+                verify, draft = self.verify, self.draft
+            else:
+                verify = lambda w: self.verify_batch(rows, w)  # noqa: E731
+                draft = lambda k: self.draft_batch(rows, k)  # noqa: E731
+            self._memo[key] = [verify(1 + k) + (draft(k) if drafter else 0.0)
+                               for k in range(most + 1)]  # fmt: skip
+        return self._memo[key]
+
 
 def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool = False,
                 stops: bool = False) -> int:  # fmt: skip
@@ -80,10 +97,10 @@ def best_length(accept: list[float], costs: PassCosts, most: int, drafter: bool 
 def best_rate(accept: list[float], costs: PassCosts, most: int, drafter: bool = False,
               stops: bool = False) -> tuple[int, float]:  # fmt: skip
     """(that length, its expected tokens per ms)."""
-    draft = costs.draft if drafter else (lambda k: 0.0)
     if drafter and stops:
         draft = chain_cost(accept, costs.draft)
-    return _best([accept], 0, costs.verify, draft, most)
+        return _best([accept], 0, [costs.verify(1 + k) + draft(k) for k in range(most + 1)])
+    return _best([accept], 0, costs.pass_ms(1, most, drafter))
 
 
 def chain_cost(accept: list[float], draft: Callable[[int], float]) -> Callable[[int], float]:
@@ -110,23 +127,22 @@ def batch_length(accepts: list[list[float]], riders: int, costs: PassCosts, most
     rows = len(accepts) + riders
     if not accepts or (rows > 1 and not costs.rows_ms):
         return 0
-    return _best(accepts, riders, lambda w: costs.verify_batch(rows, w),
-                 lambda k: costs.draft_batch(rows, k), most)[0]  # fmt: skip
+    return _best(accepts, riders, costs.pass_ms(rows, most, True))[0]
 
 
-def _best(accepts: list[list[float]], riders: int, verify: Callable[[int], float],
-          draft: Callable[[int], float], most: int) -> tuple[int, float]:  # fmt: skip
-    """The length k in 0 .. most that maximises the expected tokens per ms of one pass over
-    the drafting rows (`accepts`: each one's acceptance by position) and `riders` rows of one
-    token: E(k) / (verify(1 + k) + draft(k)); -> (k, that rate)."""
+def _best(accepts: list[list[float]], riders: int, cost: list[float]) -> tuple[int, float]:
+    """The length k in 0 .. len(cost) - 1 that maximises the expected tokens per ms of one
+    pass over the drafting rows (`accepts`: each one's acceptance by position) and `riders`
+    rows of one token: E(k) / cost[k] (cost[k]: the pass that verifies k drafts, with their
+    drafting); -> (k, that rate)."""
     rows = len(accepts) + riders
-    best_k, best = 0, rows / verify(1)
+    best_k, best = 0, rows / cost[0]
     survive, expected = [1.0] * len(accepts), float(rows)
-    for k in range(1, most + 1):
+    for k in range(1, len(cost)):
         for i, a in enumerate(accepts):
             survive[i] *= a[k - 1] if k - 1 < len(a) else a[-1]
             expected += survive[i]
-        rate = expected / (verify(1 + k) + draft(k))
+        rate = expected / cost[k]
         if rate > best:
             best_k, best = k, rate
     return best_k, best

@@ -28,6 +28,7 @@ import torch
 from clover.decoding.drafting import DrafterRunner, Pick
 from clover.decoding.prefix_cache import PrefixCache
 from clover.decoding.rows import Row
+from clover.decoding.sampling import greedy_ids
 from clover.models.base import DiffusionLM
 from clover.models.cache import ModelCache
 from clover.quant import head_rows, release_freed_memory
@@ -233,7 +234,7 @@ class ModelDraftRunner(DrafterRunner):
             for i in range(width - 1):
                 part = self._head_logits(last[:, None])  # [B, 1, k]: the draft vocabulary's
                 self._spread(part, out[:, i : i + 1])
-                picked = out[:, i].argmax(-1) if pick is None else pick(i, out[:, i])
+                picked = greedy_ids(out[:, i]) if pick is None else pick(i, out[:, i])
                 if stop:  # the draft's probability, normalized over the draft vocabulary
                     logit = out[:, i].gather(1, picked[:, None].to(out.device))[:, 0]
                     sure *= (logit - part[:, 0].logsumexp(-1)).exp()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from clover.decoding.costs import batch_length
-from clover.decoding.sampling import draw_drafts
+from clover.decoding.sampling import draw_drafts, greedy_ids
 from clover.decoding.trees import PAD, branch, floor, leaf_tree, likeliest
 from clover.models.cache import ModelCache
 from clover.models.drafter import Drafter
@@ -172,7 +172,7 @@ class DrafterRunner:
                 last = self._logits(h[:, -1:], out[:, i : i + 1])[:, 0]
                 offset += ids.shape[1]
                 # the next pass reads its draft (`pick` sees them all)
-                ids = (last.argmax(-1) if pick is None else pick(i, last))[:, None]  # [B, 1]
+                ids = (greedy_ids(last) if pick is None else pick(i, last))[:, None]  # [B, 1]
             return out
 
     def draft_for(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
@@ -182,7 +182,8 @@ class DrafterRunner:
         (`keep`) and want one, in one pass for all; each row takes its drafts (`take_drafts`).
         rows: the batch's rows (a SpecRow drafts with `uses_drafter`)."""
         drafting = [getattr(r, "uses_drafter", False) for r in rows]
-        kept = torch.where(torch.tensor(drafting), kept, 0)
+        if not all(drafting):
+            kept = torch.where(torch.tensor(drafting), kept, 0)
         # a row alone whose chains stop themselves pays for the passes they are likely to run
         stops = len(keep) == 1 and self.stops_chains
         # in a batch where no common length pays, the rows that follow the costs are not asked
@@ -271,7 +272,7 @@ class DrafterRunner:
                     logits[b, copy] += self.COPY_BONUS
             if mask_id is not None:
                 logits[:, mask_id] = float("-inf")
-            ids = logits.argmax(-1)
+            ids = greedy_ids(logits)
             for b, (r, n) in enumerate(zip(rows, lengths)):
                 if i < n and not r.sampling.greedy:
                     drawn, q = draw_drafts(logits[b : b + 1], r.sampling, r.gen)
@@ -290,7 +291,7 @@ class DrafterRunner:
                 if not n:
                     continue
                 if trees[b]:  # a block drafter's tree
-                    chain = row_logits[:n].argmax(-1).tolist()
+                    chain = greedy_ids(row_logits[:n]).tolist()
                     tokens, parents = leaf_tree(row_logits[:n], chain, r.policy.tree)
                     r.take_drafts(row_logits[:n], r.sampling, (tokens, None), parents)
                     continue

@@ -98,8 +98,18 @@ class BatchDecoder(Batch):
     def _plan(self) -> list[tuple[list[int], int]]:
         """Each row's (tokens of this pass, how many lead to commit causally); in a batch a
         context-lookup draft fills only what the other rows' passes take anyway."""
-        plans = [r.plan(self.mask_id) for r in self.active]
-        return self._fit_lookup_drafts(plans) if len(self.active) > 1 else plans
+        rows = self.active
+        if len(rows) == 1:
+            return [rows[0].plan(self.mask_id)]
+        if any(getattr(r, "draft", None) for r in rows):  # a match may replace a row's draft
+            return self._fit_lookup_drafts([r.plan(self.mask_id) for r in rows])
+        # no draft a match could replace: the pass is as wide as the widest plan without
+        # matches, and a row already that wide has no room for one (not looked up)
+        plans = [r.plan(self.mask_id, look=False) for r in rows]
+        width = max(len(t) for t, _ in plans)
+        plans = [r.plan(self.mask_id) if len(t) < width else (t, n)
+                 for r, (t, n) in zip(rows, plans)]  # fmt: skip
+        return self._fit_lookup_drafts(plans)
 
     def _forward(self, plans: list[tuple[list[int], int]]) -> _Pass:
         """The rows' plans padded into one pass over the shared cache (none when no row has

@@ -97,8 +97,9 @@ class Row:
             self.constraint = None
         return token
 
-    def plan(self, mask_id: int) -> tuple[list[int], int]:
-        """-> (input tokens for the next pass, how many of them are committed causally)."""
+    def plan(self, mask_id: int, look: bool = True) -> tuple[list[int], int]:
+        """-> (input tokens for the next pass, how many of them are committed causally).
+        look=False: the pass has no room for a context-lookup draft (`SpecRow`'s)."""
         raise NotImplementedError
 
     def wanted(self, hidden: torch.Tensor | None, n_commit: int) -> list[torch.Tensor]:
@@ -141,7 +142,7 @@ class BlockRow(Row):
     def masked(self) -> list[int]:
         return [i for i, t in enumerate(self.block) if t == MASKED]
 
-    def plan(self, mask_id: int) -> tuple[list[int], int]:
+    def plan(self, mask_id: int, look: bool = True) -> tuple[list[int], int]:
         masked = self.masked()
         # with token shift, position 0 is predicted from the prefix: no block input needed
         need_block = any(p > 0 for p in masked) if self.shifted else bool(masked)

@@ -52,9 +52,9 @@ class SpecRow(Row):
     def context(self) -> NgramIndex | None:
         return self.sources.context
 
-    def plan(self, mask_id: int) -> tuple[list[int], int]:
+    def plan(self, mask_id: int, look: bool = True) -> tuple[list[int], int]:
         self._from_context = False
-        found = self._lookup()
+        found = self._lookup() if look else []
         if found and self.parents is not None and self.draft:
             # a tree of drafts takes the context match as one more branch (the drafter drew
             # the tree knowing a match would come: `drafter_length`)
