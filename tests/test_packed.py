@@ -158,6 +158,10 @@ def test_a_draft_models_wider_tensors_are_rounded_to_4_bits(tmp_path):
     load(str(path), dtype="int4", progress=False, drafter=str(path))
     assert sorted(p.name for p in int4.parent.glob("*.pack")) == packs
     assert timing._packed_bytes(rounded.drafter_model) < timing._packed_bytes(kept.drafter_model)
+    for loaded, head_bits in ((rounded, 4), (kept, 8)):  # its head's rows of its vocabulary
+        loaded.drafter_model.draft_vocab = 16
+        head = Runtime(loaded.model, loaded.drafter_model).drafter_runner().head
+        assert head.weight.bits == head_bits and head.float_output
     with pytest.raises(CloverError, match="draft_wide"):
         load(str(path), dtype="int4", progress=False, drafter=str(path), draft_wide="int2")
 

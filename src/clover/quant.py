@@ -321,11 +321,13 @@ def quantize_model(
     return model
 
 
-def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
+def head_rows(model: nn.Module, rows: torch.Tensor, four_bits: bool = False) -> nn.Module | None:
     """The model's LM head restricted to output rows `rows` (a drafter's vocabulary): float32
     logits over those tokens, each exactly the full head's logit for it. Quantized heads keep
-    their levels (no rounding again); None where that cannot be done (PyTorch's int4 fallback,
-    or a row count the kernel cannot tile), and the caller uses the whole head."""
+    their levels (no rounding again) unless `four_bits` rounds rows stored wider to 4 bits
+    (a draft model's: fewer bytes a draft, not exact); None where that cannot be done
+    (PyTorch's int4 fallback, or a row count the kernel cannot tile), and the caller uses the
+    whole head."""
     head = getattr(model, "quantized_head", None)
     if head is None:
         weight = model.head_weight().detach()[rows]
@@ -335,8 +337,11 @@ def head_rows(model: nn.Module, rows: torch.Tensor) -> nn.Module | None:
     qweight = getattr(head, "weight", None)
     if not isinstance(qweight, QWeight) or len(rows) % 16 or head.bias is not None:
         return None
-    sub = quantized_linear(qweight.take_rows(rows))
-    sub.weight.x_bits = qweight.x_bits  # the same x, so the same logits
+    taken = qweight.take_rows(rows)
+    if four_bits and taken.bits > 4:
+        taken = QWeight.from_levels(*quantize_int4(taken.dequantized()), bits=4)
+    sub = quantized_linear(taken)
+    sub.weight.x_bits = qweight.x_bits  # the same x, so the same logits (when kept)
     sub.float_output = True
     return sub
 

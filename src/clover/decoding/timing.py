@@ -111,8 +111,8 @@ def cached_costs(model: torch.nn.Module, label: str,
         label += f"|drafter:{c.target_fingerprint}:{c.num_hidden_layers}:{c.draft_vocab}"
     else:  # a draft model: its own weights and head
         weights = next(drafter.parameters()).dtype
-        label += (f"|draft-model:{fingerprint(drafter)}:{_head_label(drafter)}:{weights}"
-                  f":{_packed_bytes(drafter)}")  # fmt: skip
+        head = _head_label(drafter) + (":rows-int4" if drafter.draft_head_4bit else "")
+        label += f"|draft-model:{fingerprint(drafter)}:{head}:{weights}:{_packed_bytes(drafter)}"
         extra = drafter.draft_ids
         label += f":vocab{drafter.draft_vocab}" + ("" if extra is None else f"+{len(extra)}")
     theirs = _kept(costs_key(model, label), ("draft_ms", "draft_rows_ms"), model, drafter)

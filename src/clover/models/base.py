@@ -71,6 +71,9 @@ class DiffusionLM(nn.Module):
     # and of these ids (None: none): its own shipped drafter's vocabulary, the tokens its
     # answers use most, some of them far past the first ids (the loader sets it)
     draft_ids: torch.Tensor | None = None
+    # and its head's rows there in 4 bits where the head stores them wider (the loader sets it
+    # with `draft_wide="int4"`: a draft model's precision changes no answer)
+    draft_head_4bit: bool = False
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         raise NotImplementedError
