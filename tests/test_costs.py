@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from clover.decoding.costs import Acceptance, PassCosts, batch_length, best_length, chain_cost
+from clover.decoding.costs import (
+    Acceptance,
+    PassCosts,
+    batch_length,
+    best_length,
+    best_rate,
+    chain_cost,
+)
 from clover.decoding.timing import cached_costs
 from tests.conftest import tiny_model
 
@@ -213,3 +220,49 @@ def test_a_chain_that_stops_itself_is_priced_by_the_passes_it_runs():
     priced = best_length(accept, costs, 5, drafter=True, stops=True)
     assert 0 < plain < priced == 5
     assert best_length([0.1] * 5, costs, 5, drafter=True, stops=True) == 0  # still none
+
+
+def test_the_length_search_stops_early_and_finds_what_trying_every_length_finds():
+    """`best_rate` and `batch_length` (memoized pass costs, a search that stops once no
+    longer length can pay more) choose what trying every length chooses (the reference),
+    on random tables, noisy ones (a longer pass timed cheaper) included."""
+    import random
+
+    from clover.decoding.costs import _best
+
+    def reference(accepts, riders, cost):
+        rows = len(accepts) + riders
+        rates = []
+        for k in range(len(cost)):
+            expected = rows
+            for a in accepts:
+                p = 1.0
+                for i in range(k):
+                    p *= a[i] if i < len(a) else a[-1]
+                    expected += p
+            rates.append(expected / cost[k])
+        k = max(range(len(cost)), key=lambda j: (rates[j], -j))  # the first of the best
+        return k, rates[k]
+
+    rng = random.Random(7)
+    for trial in range(400):
+        most = rng.randint(1, 31)
+        verify = {w: 10 + w * rng.uniform(0.1, 3) + rng.uniform(-2, 2) for w in (1, 2, 4, 8, 33)}
+        draft = {w: w * rng.uniform(0.05, 2) for w in (2, 4, 8, 16)}
+        costs = PassCosts(verify, draft, {8: {w: 30 + 8 * w * rng.uniform(0.5, 2)
+                                              for w in (1, 2, 3, 4, 5)}})  # fmt: skip
+        rows = rng.choice([1, 1, 2, 8])
+        accepts = [[rng.random() ** rng.choice([0.1, 1, 3]) for _ in range(rng.randint(1, 31))]
+                   for _ in range(min(rows, rng.randint(1, 8)))]  # fmt: skip
+        riders = rows - len(accepts)
+        for drafter in (False, True):
+            cost = costs.pass_ms(rows, most, drafter)
+            k, rate = _best(accepts, riders, cost)
+            want_k, want_rate = reference(accepts, riders, cost)
+            assert k == want_k and rate == pytest.approx(want_rate), (trial, drafter)
+        if rows == 1:
+            k, _ = best_rate(accepts[0], costs, most, drafter=True)
+            assert k == reference(accepts, 0, costs.pass_ms(1, most, True))[0]
+        else:
+            assert batch_length(accepts, riders, costs, most) == reference(
+                accepts, riders, costs.pass_ms(rows, most, True))[0]  # fmt: skip

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 
 @dataclass
@@ -138,13 +139,22 @@ def _best(accepts: list[list[float]], riders: int, cost: list[float]) -> tuple[i
     rows = len(accepts) + riders
     best_k, best = 0, rows / cost[0]
     survive, expected = [1.0] * len(accepts), float(rows)
-    for k in range(1, len(cost)):
+    # no longer length can pay more once even every later draft kept (acceptances are at
+    # most 1) over the cheapest longer pass does not: the search stops there
+    floor = list(accumulate(reversed(cost), min))[::-1]  # floor[k]: min(cost[k:])
+    bounded = max(map(max, accepts), default=0.0) <= 1.0
+    most = len(cost) - 1
+    for k in range(1, most + 1):
         for i, a in enumerate(accepts):
             survive[i] *= a[k - 1] if k - 1 < len(a) else a[-1]
             expected += survive[i]
         rate = expected / cost[k]
         if rate > best:
             best_k, best = k, rate
+        if bounded and k < most:
+            ceiling = (expected + sum(survive) * (most - k)) / floor[k + 1]
+            if ceiling * (1 + 1e-12) < best:
+                break
     return best_k, best
 
 

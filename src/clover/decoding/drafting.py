@@ -128,13 +128,14 @@ class DrafterRunner:
         if self.cache is None:
             return
         per_row = counts.tolist()
-        if max(per_row, default=0):
+        most = max(per_row, default=0)
+        if most:
             # one copy for the batch (a view of the pass's features would keep all of them
             # alive); each row's backlog holds a view of its part
-            copy = features[:, : max(per_row)].clone()
+            rows = features[:, :most].clone().unbind(0)
             for b, c in enumerate(per_row):
                 if c:
-                    self.backlog[b].append(copy[b, :c])
+                    self.backlog[b].append(rows[b] if c == most else rows[b][:c])
                     self.waiting[b] += c
         sizes = list(self.waiting)
         due = [n > 0 and (now is None or now[b] or n >= self.BACKLOG) for b, n in enumerate(sizes)]
