@@ -322,6 +322,8 @@ def test_cli_speed_and_quality_with_an_adapter_and_a_drafter(tiny_checkpoint, tm
     report = json.loads(s.read_text())
     assert report["settings"]["adapter"] == str(tmp_path / "a.safetensors")
     assert report["settings"]["drafter"] == str(tmp_path / "d.safetensors")
+    assert report["settings"]["drafter_loaded"] == str(tmp_path / "d.safetensors")
+    assert report["settings"]["draft_model_wide"] is None  # a drafter file, not a model
     assert report["rows"]["clover self_spec:4:drafter float32"]["peak_rss_mb"] > 0
     # the pass costs its draft lengths followed, as timed for the drafter's row
     costs = report["rows"]["clover self_spec:4:drafter float32"]["pass_costs_ms"]["drafter"]

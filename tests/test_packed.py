@@ -164,6 +164,10 @@ def test_a_draft_models_wider_tensors_are_rounded_to_4_bits(tmp_path):
         assert head.weight.bits == head_bits and head.float_output
     with pytest.raises(CloverError, match="draft_wide"):
         load(str(path), dtype="int4", progress=False, drafter=str(path), draft_wide="int2")
+    from clover.engine import LLM  # what `clover bench speed` records
+
+    assert LLM(str(path), dtype="int4", progress=False, drafter=str(path)).draft_wide == "int4"
+    assert LLM(str(path), dtype="int4", progress=False, drafter="none").draft_wide is None
 
     prompts = [[5, 6, 7, 5, 6], [9, 10, 11]]
 

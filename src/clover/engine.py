@@ -173,6 +173,8 @@ class LLM:
         self.name, self.dtype, self.device = loaded.name, loaded.dtype, loaded.device
         self.resolved, self.directory = loaded.resolved, loaded.directory
         self.adapter, self.drafter = loaded.adapter, loaded.drafter
+        # a draft model's wider tensors: kept ("int8") or rounded ("int4"); None without one
+        self.draft_wide = draft_wide if isinstance(loaded.drafter_model, DiffusionLM) else None
         self.compiled = compile
         if store:
             self.seed_store(store)

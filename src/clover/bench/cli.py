@@ -224,6 +224,10 @@ def cmd_speed(a: argparse.Namespace) -> int:
             "configs": [c.name for c in configs],
             "adapter": first.adapter,
             "drafter": a.drafter,
+            # the drafter the model ran with (its registry default unless --drafter) and, for
+            # a draft model, its wider tensors' precision
+            "drafter_loaded": first.drafter,
+            "draft_model_wide": first.draft_wide,
             "store": _store_record(first),
             "precisions": {
                 "clover": list(llms),
