@@ -174,7 +174,8 @@ class LLM:
         self.resolved, self.directory = loaded.resolved, loaded.directory
         self.adapter, self.drafter = loaded.adapter, loaded.drafter
         # a draft model's wider tensors: kept ("int8") or rounded ("int4"); None without one
-        self.draft_wide = draft_wide if isinstance(loaded.drafter_model, DiffusionLM) else None
+        d = loaded.drafter_model
+        self.draft_wide = d.draft_wide if isinstance(d, DiffusionLM) else None
         self.compiled = compile
         if store:
             self.seed_store(store)

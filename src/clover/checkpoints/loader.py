@@ -364,7 +364,7 @@ def _draft_model(name: str, target: DiffusionLM, tokenizer: Tokenizer, dtype: st
         )
     if not getattr(draft.config, "shifted", True):  # its logits are not next-token ones
         raise CloverError(f"drafter {name}: a model without token shift cannot draft")
-    draft.draft_head_4bit = wide == "int4"
+    draft.draft_wide = wide  # its head's rows follow (`ModelDraftRunner.vocab_head`)
     entry = loaded.resolved.entry if loaded.resolved is not None else None
     if entry is not None and entry.drafter_path is not None:  # its answers' commonest tokens
         draft.draft_ids = drafter_vocabulary(Path(entry.drafter_path))

@@ -90,7 +90,7 @@ class ModelDraftRunner(DrafterRunner):
         if vocab is None:
             return None, None
         with torch.inference_mode():
-            head = head_rows(draft, vocab.to(draft.device), draft.draft_head_4bit)
+            head = head_rows(draft, vocab.to(draft.device), draft.draft_wide == "int4")
         release_freed_memory()
         return (None, None) if head is None else (head, vocab.to(draft.device))
 

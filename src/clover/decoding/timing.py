@@ -111,7 +111,7 @@ def cached_costs(model: torch.nn.Module, label: str,
         label += f"|drafter:{c.target_fingerprint}:{c.num_hidden_layers}:{c.draft_vocab}"
     else:  # a draft model: its own weights and head
         weights = next(drafter.parameters()).dtype
-        head = _head_label(drafter) + (":rows-int4" if drafter.draft_head_4bit else "")
+        head = _head_label(drafter) + (":rows-int4" if drafter.draft_wide == "int4" else "")
         label += f"|draft-model:{fingerprint(drafter)}:{head}:{weights}:{_packed_bytes(drafter)}"
         extra = drafter.draft_ids
         label += f":vocab{drafter.draft_vocab}" + ("" if extra is None else f"+{len(extra)}")

@@ -71,9 +71,10 @@ class DiffusionLM(nn.Module):
     # and of these ids (None: none): its own shipped drafter's vocabulary, the tokens its
     # answers use most, some of them far past the first ids (the loader sets it)
     draft_ids: torch.Tensor | None = None
-    # and its head's rows there in 4 bits where the head stores them wider (the loader sets it
-    # with `draft_wide="int4"`: a draft model's precision changes no answer)
-    draft_head_4bit: bool = False
+    # and its tensors stored wider than 4 bits, its head's rows there included: kept ("int8")
+    # or rounded to 4 bits ("int4"; the loader sets it: a draft model's precision changes no
+    # answer)
+    draft_wide: str = "int8"
 
     def make_layer_caches(self, batch_size: int) -> list[LayerCache]:
         raise NotImplementedError
