@@ -524,7 +524,7 @@ def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
         eager.commit(feats, counts)
         lazy.commit(feats, counts, [False, i == 2])
     assert eager.cache.lengths.tolist() == [8, 8] and lazy.cache.lengths.tolist() == [0, 8]
-    assert lazy.waiting == [8, 0] and sum(len(f) for f in lazy.backlog[0]) == 8
+    assert lazy.waiting == [8, 0] and sum(len(f) for f in lazy.waiting_features(0)) == 8
     lazy.commit(torch.zeros(2, 1, F), torch.tensor([0, 0]), [True, False])
     assert lazy.cache.lengths.tolist() == [8, 8] and lazy.waiting == [0, 0]
     first = torch.tensor([5, 9])
@@ -537,8 +537,45 @@ def test_rows_that_do_not_draft_keep_their_features_until_they_do(monkeypatch):
     capped.commit(*steps[0], [False, False])
     assert capped.cache.lengths.tolist() == [0, 5] and capped.waiting == [3, 0]
     capped.select([1])
-    assert capped.cache.lengths.tolist() == [5] and capped.backlog == [[]]
+    assert capped.cache.lengths.tolist() == [5] and capped.waiting_features(0) == []
     assert capped.waiting == [0]
+
+
+def test_waiting_features_follow_their_rows_as_rows_join_and_leave():
+    """The batch's shelf of waiting features (one entry a pass) gives each row its own,
+    in order, after rows joined and left; entries no row waits on are dropped; the drafts
+    equal a runner's that committed every pass at once."""
+    from clover.decoding.drafting import DrafterRunner
+
+    model = tiny_model()
+    drafter = drafter_for(model)
+    F = 2 * model.config.hidden_size
+    torch.manual_seed(1)
+    eager, lazy = DrafterRunner(model, drafter), DrafterRunner(model, drafter)
+    for r in (eager, lazy):
+        r.add_row()
+        r.add_row()
+    passes = [(torch.randn(2, 3, F), [3, 2]), (torch.randn(3, 2, F), [2, 0, 1]),
+              (torch.randn(2, 4, F), [4, 3])]  # fmt: skip
+    eager.commit(*passes[0])
+    lazy.commit(*passes[0], [False, False])
+    for r in (eager, lazy):  # a third row joins
+        r.add_row()
+    eager.commit(*passes[1])
+    lazy.commit(*passes[1], [False, False, False])
+    for r in (eager, lazy):  # the first row leaves
+        r.select([1, 2])
+    eager.commit(*passes[2])
+    lazy.commit(*passes[2], [True, False])  # the second row drafts now, the third waits
+    assert lazy.cache.lengths.tolist() == [6, 0] and lazy.waiting == [0, 4]
+    assert len(lazy.shelf) == 2  # the first pass: no running row waits on it
+    assert torch.equal(torch.cat(lazy.waiting_features(1)),
+                       torch.cat([passes[1][0][2, :1], passes[2][0][1, :3]]))  # fmt: skip
+    lazy.commit(torch.zeros(2, 1, F), [0, 0], [False, True])
+    assert lazy.cache.lengths.tolist() == eager.cache.lengths.tolist() == [6, 4]
+    assert lazy.waiting == [0, 0] and lazy.shelf == []
+    first = torch.tensor([5, 9])
+    torch.testing.assert_close(lazy.draft(first, 4), eager.draft(first, 4))
 
 
 def test_a_batch_where_no_length_pays_skips_asking_each_row(monkeypatch):

@@ -179,7 +179,7 @@ class ModelDraftRunner(DrafterRunner):
             self.pins[k] = self.prefix.hold(hit)
             self.fed[k] = start
 
-    def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
+    def take_context(self, rows: list, features: torch.Tensor, kept: list[int],
                      now: list[bool]) -> None:  # fmt: skip
         """Nothing is read now: a draft pass reads the rows' tokens (`_feeds`)."""
         self.rows = rows

@@ -48,9 +48,15 @@ class DrafterRunner:
         self.model, self.drafter = model, drafter
         self.layers = tuple(drafter.config.feature_layers)
         self.cache = None
-        self.backlog: list[list[torch.Tensor]] = []  # per row: features not yet committed
-        self.waiting: list[int] = []  # per row: tokens in its backlog (a running count:
-        # summing the chunks' lengths every step grows costly as backlogs grow)
+        # features not yet committed, kept for the batch as a whole: one entry a pass
+        # (features [B, m, F], each row's count, the rows' ids then), so a pass whose rows do
+        # not draft costs one copy, not one per row; rows joining or leaving do not touch it
+        self.shelf: list[tuple[torch.Tensor, list[int], tuple[int, ...]]] = []
+        self.shelf_start = 0  # the pass number of shelf[0]
+        self.ids: tuple[int, ...] = ()  # each row's id, kept while it runs
+        self.since: list[int] = []  # per row: the first pass its waiting features came from
+        self.waiting: list[int] = []  # per row: how many tokens' features wait
+        self._next_id = 0
         self.head, self.vocab = None, None  # the LM head's rows of the draft vocabulary
         if drafter.vocab is not None:
             self.head, self.vocab = vocab_head or self.vocab_head(model, drafter)
@@ -110,43 +116,67 @@ class DrafterRunner:
 
     def _row_added(self, cache: ModelCache) -> None:
         """The runner's own state of a row that joined with `cache`."""
-        self.backlog.append([])
+        self.ids += (self._next_id,)
+        self._next_id += 1
+        self.since.append(self.shelf_start + len(self.shelf))
         self.waiting.append(0)
 
     def _rows_kept(self, keep: list[int]) -> None:
-        self.backlog = [self.backlog[k] for k in keep]
+        self.ids = tuple(self.ids[k] for k in keep)
+        self.since = [self.since[k] for k in keep]
         self.waiting = [self.waiting[k] for k in keep]
+        self._trim_shelf()
 
-    def commit(self, features: torch.Tensor, counts: torch.Tensor,
+    def waiting_features(self, b: int) -> list[torch.Tensor]:
+        """Row b's features that wait for the drafter's context, in order."""
+        if not self.waiting[b]:
+            return []
+        row, parts = self.ids[b], []
+        for features, counts, ids in self.shelf[max(self.since[b] - self.shelf_start, 0) :]:
+            if row in ids:
+                i = ids.index(row)
+                if counts[i]:
+                    parts.append(features[i, : counts[i]])
+        return parts
+
+    def _trim_shelf(self) -> None:
+        """Drop the entries no running row still waits on."""
+        end = self.shelf_start + len(self.shelf)
+        first = min((s for s, n in zip(self.since, self.waiting) if n), default=end)
+        if first > self.shelf_start:
+            del self.shelf[: first - self.shelf_start]
+            self.shelf_start = first
+
+    def commit(self, features: torch.Tensor, counts: torch.Tensor | list[int],
                now: list[bool] | None = None) -> None:  # fmt: skip
-        """features [B, T, k * D] of a pass over every row; counts [B]: how many of each
-        row's first tokens stay committed (0 for rows that committed nothing). `now`: the rows
-        that draft next (None: all). The others' features wait in their backlog until they
-        draft, or until it holds BACKLOG tokens: a batch whose rows do not draft (adaptive
-        rows of a batch draft only where batched passes pay) skips the drafter's context
-        pass."""
+        """features [B, T, k * D] of a pass over every row; counts [B] (a tensor or a list):
+        how many of each row's first tokens stay committed (0 for rows that committed
+        nothing). `now`: the rows that draft next (None: all). The others' features wait on
+        the shelf until they draft, or until BACKLOG tokens of theirs wait: a batch whose rows
+        do not draft (adaptive rows of a batch draft only where batched passes pay) skips the
+        drafter's context pass."""
         if self.cache is None:
             return
-        per_row = counts.tolist()
+        per_row = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         most = max(per_row, default=0)
         if most:
-            # one copy for the batch (a view of the pass's features would keep all of them
-            # alive); each row's backlog holds a view of its part
-            rows = features[:, :most].clone().unbind(0)
-            for b, c in enumerate(per_row):
-                if c:
-                    self.backlog[b].append(rows[b] if c == most else rows[b][:c])
-                    self.waiting[b] += c
+            # the pass's features as they are when every position stays (the pass made them
+            # for this), else one copy of the part that does: a view would keep all alive
+            kept = features if most == features.shape[1] else features[:, :most].clone()
+            self.shelf.append((kept, per_row, self.ids))
+            self.waiting = [w + c for w, c in zip(self.waiting, per_row)]
         sizes = list(self.waiting)
         due = [n > 0 and (now is None or now[b] or n >= self.BACKLOG) for b, n in enumerate(sizes)]
         if not any(due):
             return
         n = torch.tensor([s if d else 0 for s, d in zip(sizes, due)])
         feats = features.new_zeros(len(sizes), int(n.max()), features.shape[-1])
+        end = self.shelf_start + len(self.shelf)
         for b, d in enumerate(due):
             if d:
-                feats[b, : sizes[b]] = torch.cat(self.backlog[b])
-                self.backlog[b], self.waiting[b] = [], 0
+                feats[b, : sizes[b]] = torch.cat(self.waiting_features(b))
+                self.since[b], self.waiting[b] = end, 0
+        self._trim_shelf()
         with torch.inference_mode():
             self.drafter.commit(feats, n, self.cache)
 
@@ -176,15 +206,15 @@ class DrafterRunner:
                 ids = (greedy_ids(last) if pick is None else pick(i, last))[:, None]  # [B, 1]
             return out
 
-    def draft_for(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
+    def draft_for(self, rows: list, features: torch.Tensor, kept: list[int],
                   keep: list[int], mask_id: int | None) -> None:  # fmt: skip
         """After a pass: the drafter takes the features of what each drafting row kept
-        (features [B, T, F], kept [B]), then drafts the next block for the rows that stay
-        (`keep`) and want one, in one pass for all; each row takes its drafts (`take_drafts`).
-        rows: the batch's rows (a SpecRow drafts with `uses_drafter`)."""
+        (features [B, T, F], kept: a count per row), then drafts the next block for the rows
+        that stay (`keep`) and want one, in one pass for all; each row takes its drafts
+        (`take_drafts`). rows: the batch's rows (a SpecRow drafts with `uses_drafter`)."""
         drafting = [getattr(r, "uses_drafter", False) for r in rows]
         if not all(drafting):
-            kept = torch.where(torch.tensor(drafting), kept, 0)
+            kept = [n if d else 0 for n, d in zip(kept, drafting)]
         # a row alone whose chains stop themselves pays for the passes they are likely to run
         stops = len(keep) == 1 and self.stops_chains
         # in a batch where no common length pays, the rows that follow the costs are not asked
@@ -209,7 +239,7 @@ class DrafterRunner:
                 return
         self._draft_chains(rows, first, lengths, trees, mask_id)
 
-    def take_context(self, rows: list, features: torch.Tensor, kept: torch.Tensor,
+    def take_context(self, rows: list, features: torch.Tensor, kept: list[int],
                      now: list[bool]) -> None:  # fmt: skip
         """What each row kept of the last pass, for its drafter context: its features."""
         self.commit(features, kept, now)

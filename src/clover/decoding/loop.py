@@ -45,11 +45,10 @@ class Commit:
 @dataclass
 class _Pass:
     """One step's forward: hidden [B, T, D] (None: no row had tokens), the drafter's features
-    [B, T, F] (None without a drafter), each row's committed count [B], the width T."""
+    [B, T, F] (None without a drafter), the width T."""
 
     hidden: torch.Tensor | None = None
     features: torch.Tensor | None = None
-    n_commit: torch.Tensor | None = None
     width: int = 0
 
 
@@ -131,7 +130,7 @@ class BatchDecoder(Batch):
             hidden, features = hidden
         for r, (tokens, n) in zip(self.active, plans):
             r.committed += tokens[:n]
-        return _Pass(hidden, features, n_commit, T)
+        return _Pass(hidden, features, T)
 
     def _tree_parents(self, T: int) -> torch.Tensor | None:
         """[B, T] each pass position's parent when a row verifies a tree of drafts (a chain
@@ -166,15 +165,16 @@ class BatchDecoder(Batch):
 
     def _update(
         self, plans: list, logits: torch.Tensor | None, counts: list[int], width: int
-    ) -> tuple[StepEvent, list[int], torch.Tensor]:
+    ) -> tuple[StepEvent, list[int], list[int]]:
         """Every row takes its logits and commits; -> (the step's event, the rows that stay,
-        the tokens each row rolls back)."""
+        the tokens each row rolls back). Per-row counts stay Python ints: a step's tiny tensor
+        ops cost more than the bookkeeping they hold."""
         active = self.active
         plain = [r.constraint is None and r.sampling.greedy for r in active]
         greedy = greedy_picks(logits, plain, [r.policy.uses_confidence for r in active])
         n_rows = sum(1 for t, _ in plans if t)
         event = StepEvent(self.step_count, [], {}, {}, n_rows, width * len(active), 0.0)
-        rollback = torch.zeros(len(active), dtype=torch.long)
+        rollback = [0] * len(active)
         keep, start = [], 0
         for k, r in enumerate(active):
             row_logits = logits[start : start + counts[k]] if counts[k] else torch.empty(0)
@@ -216,25 +216,26 @@ class BatchDecoder(Batch):
         event.finished[r.index] = reason
         return False
 
-    def _settle(self, plans: list, out: _Pass, rollback: torch.Tensor, keep: list[int]) -> None:
+    def _settle(self, plans: list, out: _Pass, rollback: list[int], keep: list[int]) -> None:
         """After the rows' updates: a tree's kept branch moves behind its root, rejected
         tokens leave the cache, the drafter drafts the next blocks."""
         for k, r in enumerate(self.active):
             branch = getattr(r, "kept_branch", None)
             if branch:
-                first = plans[k][1] - int(rollback[k]) - len(branch)  # where the branch goes
+                first = plans[k][1] - rollback[k] - len(branch)  # where the branch goes
                 with torch.inference_mode():
-                    self.cache.keep_branch(k, int(out.n_commit[k]), first, branch)
+                    self.cache.keep_branch(k, plans[k][1], first, branch)
                     if out.features is not None:
                         out.features[k, first : first + len(branch)] = out.features[k, branch]
                 end = len(r.committed) - plans[k][1] + first
                 r.committed[end : end + len(branch)] = [plans[k][0][i] for i in branch]
-        if bool(rollback.any()):
-            self.cache.rollback(rollback)
-            for r, n in zip(self.active, rollback.tolist()):
+        if any(rollback):
+            self.cache.rollback(torch.tensor(rollback))
+            for r, n in zip(self.active, rollback):
                 del r.committed[len(r.committed) - n :]
         if self.drafting is not None and out.width:
-            self.drafting.draft_for(self.active, out.features, out.n_commit - rollback, keep,
+            kept = [n - b for (_, n), b in zip(plans, rollback)]
+            self.drafting.draft_for(self.active, out.features, kept, keep,
                                     self.config.mask_token_id)  # fmt: skip
         self.runtime.relax()  # the shared acceptance estimates drift once per step
 
