@@ -61,6 +61,17 @@ def test_qwen_chat_template_with_tools_matches_transformers():
             assert text == want
             assert ours.encode(text) == hf(want, add_special_tokens=False)["input_ids"]
     assert 151645 in ours.eos_token_ids  # <|im_end|> ends a turn
+    # the prompt set's tool kinds (distilled through this template) render as transformers does
+    from clover.data.prompts import prompt_set
+
+    tool_prompts = [p for p in prompt_set(600) if "tools" in p][:12]
+    assert {p["kind"] for p in tool_prompts} == {"tool_call", "tool_result"}
+    for p in tool_prompts:
+        text = ours.apply_chat_template(p["messages"], add_generation_prompt=True,
+                                        tools=p["tools"])  # fmt: skip
+        assert text == hf.apply_chat_template(p["messages"], add_generation_prompt=True,
+                                              tokenize=False, tools=p["tools"])  # fmt: skip
+        assert "<tools>" in text and ("<tool_response>" in text) == (p["kind"] == "tool_result")
 
 
 @pytest.mark.slow

@@ -36,13 +36,80 @@ def test_prompt_set_keeps_clear_of_the_benchmarks_items():
                     "returns return short few sentences")  # fmt: skip
     targets = [(p, _words(p) - filler) for p in benchmark]
     for p in prompt_set(5000, seed=0) + prompt_set(500, seed=1):
-        text = " ".join(m["content"] for m in p["messages"]).lower()
+        text = " ".join(m["content"] or "" for m in p["messages"]).lower()
         assert not any(q in text for q in questions), text
         assert not any(f"{n}(" in text for n in names), text
         words = _words(text) - filler
         for item, item_words in targets:
             near = len(words & item_words) / len(words | item_words)
             assert near < 0.7, (text, item)
+
+
+def test_tool_prompts_offer_the_tools_they_call():
+    """The tool kinds: each prompt offers distinct tools in the OpenAI format; a call (and the
+    result that came back) names a tool the prompt offers, with arguments its parameters
+    declare; a few requests need no tool; ids tell tool lists apart and keep a plain
+    message list's id as it was before tools."""
+    import hashlib
+
+    from clover.data.prompts import prompt_id
+    from clover.data.tool_prompts import NO_TOOL_REQUESTS
+
+    tools_seen, no_tool, results = set(), 0, 0
+    for p in prompt_set(4000, seed=0):
+        if not p["kind"].startswith("tool"):
+            assert "tools" not in p
+            continue
+        offered = {t["function"]["name"]: t["function"]["parameters"] for t in p["tools"]}
+        assert len(offered) == len(p["tools"]) >= 1 and p["id"] == prompt_id(
+            p["messages"], p["tools"]
+        )
+        tools_seen |= set(offered)
+        if p["kind"] == "tool_call":
+            (ask,) = p["messages"]
+            no_tool += ask["content"] in NO_TOOL_REQUESTS
+            continue
+        user, assistant, tool = p["messages"]
+        (call,) = assistant["tool_calls"]
+        name, args = call["function"]["name"], call["function"]["arguments"]
+        assert name in offered and tool["role"] == "tool" and tool["name"] == name
+        assert set(args) <= set(offered[name]["properties"])
+        assert set(offered[name]["required"]) <= set(args)
+        assert isinstance(json.loads(tool["content"]), dict)
+        results += 1
+    assert len(tools_seen) == 10 and results > 50 and no_tool > 0
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    legacy = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in plain)
+    assert prompt_id(plain) == hashlib.sha256(legacy.encode()).hexdigest()[:16]
+    a = [{"type": "function", "function": {"name": "a", "parameters": {}}}]
+    b = [{"type": "function", "function": {"name": "b", "parameters": {}}}]
+    assert len({prompt_id(plain), prompt_id(plain, a), prompt_id(plain, b)}) == 3
+    call = {"type": "function", "function": {"name": "a", "arguments": {}}}
+    called = plain[:1] + [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert prompt_id(called) != prompt_id(plain[:1] + [{"role": "assistant", "content": None}])
+
+
+def test_distill_renders_a_prompt_with_the_tools_it_offers(tiny_checkpoint, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """A tool prompt reaches the chat template with its tools, and its record keeps them; a
+    template that cannot render a tool turn (ChatML adding a call's null text) leaves that
+    prompt out, counted, and distils the rest."""
+    from clover.data import distill as d
+    from clover.engine import LLM
+
+    calls = [p for p in prompt_set(400) if p["kind"] == "tool_call"][:2]
+    result = [p for p in prompt_set(400) if p["kind"] == "tool_result"][:1]
+    made = calls + result
+    monkeypatch.setattr(d, "prompt_set", lambda n, seed: made[:n])
+    seen, real = [], LLM.chat_prompt
+    monkeypatch.setattr(LLM, "chat_prompt", lambda self, messages, **kw: (
+        seen.append(kw.get("tools")), real(self, messages, **kw))[1])  # fmt: skip
+    stats = distill(str(tiny_checkpoint), tmp_path / "t", 3, max_tokens=3, batch_size=2,
+                    top_k=2, dtype="float32", progress=False)  # fmt: skip
+    assert seen == [p["tools"] for p in made]
+    assert stats["written"] == 2 and stats["no_tool_template"] == 1 and stats["left"] == 0
+    records = {r["id"]: r for r in load_examples(tmp_path / "t")}
+    assert [records[p["id"]]["tools"] for p in calls] == [p["tools"] for p in calls]
 
 
 def test_distill_writes_teacher_topk_and_resumes(tiny_checkpoint, tmp_path):
@@ -153,11 +220,13 @@ def test_distill_skips_prompts_answered_in_another_directory(tiny_checkpoint, tm
 
 def test_distill_leaves_out_prompts_longer_than_the_teacher_s_context(tiny_checkpoint, tmp_path):
     """The tiny test model has a 256-token context and a byte-sized vocabulary: the long
-    prompts (questions on a given text, code to explain) do not fit and are counted, not fatal."""
+    prompts (questions on a given text, code to explain) do not fit and are counted, not fatal
+    (as are the tool results its ChatML template cannot render)."""
     out = tmp_path / "data"
     stats = distill(str(tiny_checkpoint), out, 42, max_tokens=2, batch_size=8, top_k=2,
                     dtype="float32", progress=False)  # fmt: skip
-    assert stats["too_long"] > 0 and stats["written"] + stats["too_long"] == 42
+    assert stats["too_long"] > 0 and stats["no_tool_template"] > 0
+    assert stats["written"] + stats["too_long"] + stats["no_tool_template"] == 42
     assert stats["left"] == 0 and len(load_examples(out)) == stats["written"]
 
 

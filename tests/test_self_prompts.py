@@ -3,6 +3,7 @@ import json
 import pytest
 
 from clover.data import self_prompts as sp
+from clover.data.prompts import PROMPT_SET_VERSION
 from clover.errors import CloverError
 
 
@@ -86,6 +87,8 @@ def test_distill_answers_self_written_prompts(tiny_checkpoint, tmp_path, monkeyp
     prompts = sp.to_records(sp.read_attempts(out / "self_prompts.jsonl"))
     assert sorted(r["id"] for r in load_examples(out)) == sorted(r["id"] for r in prompts)
     assert read_meta(out)["prompt_set"] == f"self-{sp.VERSION}"
-    with pytest.raises(CloverError, match=f"prompt_set 'self-{sp.VERSION}' -> 3"):
+    with pytest.raises(
+        CloverError, match=f"prompt_set 'self-{sp.VERSION}' -> {PROMPT_SET_VERSION}"
+    ):
         distill(str(tiny_checkpoint), out, 4, max_tokens=4, batch_size=2, top_k=2,
                 dtype="float32", progress=False)  # fmt: skip

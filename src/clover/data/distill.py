@@ -156,7 +156,7 @@ def distill(
     if progress:
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill",
                    unit="prompt")  # fmt: skip
-    t0, tokens, written, too_long = time.perf_counter(), 0, 0, 0
+    t0, tokens, written, too_long, no_tools = time.perf_counter(), 0, 0, 0, 0
     context = llm.model.context_length
     with open(path, "a", encoding="utf-8") as f, _on(dev):
         batch = BatchDecoder(llm.runtime, cached=False)
@@ -197,9 +197,12 @@ def distill(
                         p = next(queue, None)
                         if p is None:
                             break
-                        prompt = llm.chat_prompt(p["messages"])
-                        if len(prompt) >= context:  # left out: a short-context teacher
-                            too_long += 1  # distils the rest
+                        prompt = _render(llm, p)
+                        if prompt is None or len(prompt) >= context:
+                            # left out: a teacher whose chat template has no tool turns, or
+                            # a short-context one, distils the rest
+                            no_tools += prompt is None
+                            too_long += prompt is not None
                             if bar is not None:
                                 bar.update(1)
                             continue
@@ -237,8 +240,21 @@ def distill(
         bar.close()
     return {"written": written, "skipped": len(prompts) - len(todo),
             "answered_elsewhere": n_prompts - len(prompts), "too_long": too_long,
-            "left": len(todo) - written - too_long, "answer_tokens": tokens,
+            "no_tool_template": no_tools, "left": len(todo) - written - too_long - no_tools,
+            "answer_tokens": tokens,
             "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def _render(llm: LLM, p: dict) -> list[int] | None:
+    """A prompt record's ids through the teacher's chat template, with the tools it offers;
+    None where the template cannot render its tool turns (a call with no text, a tool's
+    result)."""
+    if not p.get("tools"):
+        return llm.chat_prompt(p["messages"])
+    try:
+        return llm.chat_prompt(p["messages"], tools=p["tools"])
+    except CloverError:
+        return None
 
 
 def _on(dev: torch.device) -> contextlib.AbstractContextManager:

@@ -1,26 +1,30 @@
 """The project's own prompt set for self-distillation, generated from templates.
 
-Twenty-six kinds (code, named functions, code edits, follow-up turns on code, explaining
+Twenty-eight kinds (code, named functions, code edits, follow-up turns on code, explaining
 code, SQL, shell, how-to steps, comparison, story or poem, email, JSON, explanation, list,
 fact, rewrite, arithmetic, multi-turn, questions on a given text, classification, long answers,
-descriptions, advice, why-questions, notes, product texts), each a few templates filled from
-small vocabularies written here, so thousands of distinct prompts come from a few hundred
-lines and no external text. `prompt_set(n, seed)` is deterministic: the same
-(n, seed) always gives the same prompts with the same ids, which is what makes distillation
-resumable and the held-out split stable.
+descriptions, advice, why-questions, notes, product texts, tool calls and answers from a tool's
+result: `tool_prompts.py`), each a few templates filled from small vocabularies written
+here, so thousands of distinct prompts come from a few hundred lines and no external text.
+`prompt_set(n, seed)` is deterministic: the same (n, seed) always gives the same prompts with
+the same ids, which is what makes distillation resumable and the held-out split stable.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
+
+from clover.data.tool_prompts import tool_call, tool_result
 
 # Bumped whenever the templates or vocabularies change what prompt_set returns: a distilled
 # directory records it, and `clover data distill` will not extend one of another version.
 # 1: the first sets; 2: 21 kinds, kept clear of the benchmarks' items; 3: 26 kinds (describe,
 # advice, why, note, product added) and vocabularies about three times as large, so that the
-# prose kinds run out of distinct prompts no sooner than the templated arithmetic and reading.
-PROMPT_SET_VERSION = 3
+# prose kinds run out of distinct prompts no sooner than the templated arithmetic and reading;
+# 4: 28 kinds (tool_call, tool_result: a prompt may carry the "tools" it offers).
+PROMPT_SET_VERSION = 4
 
 # The vocabularies are kept apart from the benchmarks' own items: no question, code task, topic
 # or story of benchmarks/suites/quality.jsonl or of `clover bench speed`'s prompts appears here,
@@ -646,11 +650,22 @@ KINDS = {
     "why": _why,
     "note": _note,
     "product": _product,
+    "tool_call": tool_call,
+    "tool_result": tool_result,
 }
 
 
-def prompt_id(messages: list[dict]) -> str:
-    text = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages)
+def prompt_id(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """A prompt's id: a hash of its messages (their tool calls included) and the tools it
+    offers. A plain message list keeps the id it had before tools."""
+    parts = []
+    for m in messages:
+        extra = {k: v for k, v in m.items() if k not in ("role", "content")}
+        part = f"{m['role']}\x1f{m['content']}"
+        parts.append(part + "\x1f" + json.dumps(extra, sort_keys=True) if extra else part)
+    text = "\x1e".join(parts)
+    if tools:
+        text += "\x1d" + json.dumps(tools, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -660,7 +675,8 @@ def split_of(pid: str, heldout: float = 0.05) -> str:
 
 
 def prompt_set(n: int, seed: int = 0, heldout: float = 0.05) -> list[dict]:
-    """n distinct prompts: [{"id", "kind", "split": "train"|"heldout", "messages"}].
+    """n distinct prompts: [{"id", "kind", "split": "train"|"heldout", "messages"}], with
+    "tools" (the tools offered, OpenAI-style) on the tool kinds' prompts.
 
     The split is a function of the id alone, so it never changes when n grows."""
     r = random.Random(seed)
@@ -670,11 +686,12 @@ def prompt_set(n: int, seed: int = 0, heldout: float = 0.05) -> list[dict]:
     while len(out) < n and attempts < 50 * n:
         attempts += 1
         kind = kinds[attempts % len(kinds)]  # a kind whose templates run out is skipped
-        messages = KINDS[kind](r)
-        pid = prompt_id(messages)
+        made = KINDS[kind](r)
+        messages, tools = made if isinstance(made, tuple) else (made, None)
+        pid = prompt_id(messages, tools)
         if pid in seen:
             continue
         seen.add(pid)
         out.append({"id": pid, "kind": kind, "split": split_of(pid, heldout),
-                    "messages": messages})  # fmt: skip
+                    "messages": messages, **({"tools": tools} if tools else {})})  # fmt: skip
     return out
