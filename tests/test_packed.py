@@ -158,6 +158,11 @@ def test_a_draft_models_wider_tensors_are_rounded_to_4_bits(tmp_path):
     load(str(path), dtype="int4", progress=False, drafter=str(path))
     assert sorted(p.name for p in int4.parent.glob("*.pack")) == packs
     assert timing._packed_bytes(rounded.drafter_model) < timing._packed_bytes(kept.drafter_model)
+    # a target loaded with its wider tensors rounded (`--gguf-wide int4`) times its passes
+    # apart from one that keeps them; the same load keeps its key
+    target4 = load(str(path), dtype="int4", progress=False, wide="int4").model
+    labels = {timing.target_label(m) for m in (rounded.model, kept.model, target4)}
+    assert len(labels) == 2 and timing.target_label(target4) != timing.target_label(kept.model)
     for loaded, head_bits in ((rounded, 4), (kept, 8)):  # its head's rows of its vocabulary
         loaded.drafter_model.draft_vocab = 16
         head = Runtime(loaded.model, loaded.drafter_model).drafter_runner().head

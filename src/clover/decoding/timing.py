@@ -145,7 +145,15 @@ def model_costs(model: torch.nn.Module, drafter: torch.nn.Module | None = None) 
     """The table the decode loop reads for `model` (with `drafter`'s passes, if given);
     `clover bench` asks for it before timing anything, so that a first measurement does not
     land in a setting's seconds."""
-    return cached_costs(model, _head_label(model), drafter)
+    return cached_costs(model, target_label(model), drafter)
+
+
+def target_label(model: torch.nn.Module) -> str:
+    """What names a target's passes in its cost key besides its fingerprint: its head's
+    format and, for packed weights, their bytes (a GGUF loaded with its wider tensors kept
+    or rounded to 4 bits, `--gguf-wide`, reads more or fewer a pass)."""
+    packed = _packed_bytes(model)
+    return _head_label(model) + (f":packed{packed}" if packed else "")
 
 
 def _head_label(model: torch.nn.Module) -> str:
