@@ -1510,3 +1510,53 @@ def test_a_registry_entry_s_drafter_loads_with_its_model_and_drafts_by_default(
     monkeypatch.setattr(loader, "resolve", lambda name, progress=True: bad)
     with pytest.raises(CloverError, match="this drafter was trained on"):
         LLM("tiny-shipped", progress=False)
+
+
+def test_kind_report_measures_each_never_trained_answer_by_kind(tiny_checkpoint, data, tmp_path):
+    """kind_sets takes every held-out answer and every answer of `heldout_kinds`, a cap per
+    kind; kind_report gives each drafter `evaluate` on each kind's answers (the same
+    features) and the answer-weighted means over trained and never-trained kinds."""
+    from clover.data.distill import load_examples
+    from clover.engine import LLM
+    from clover.train.drafter import (
+        FeatureCache,
+        evaluate,
+        kind_report,
+        kind_sets,
+        loss_head,
+        train_drafter,
+        warm_cache,
+    )
+
+    records = load_examples(data)
+    unseen = next(r["kind"] for r in records if r["split"] == "train")
+    cfg = drafter_config(tiny_checkpoint, data, tmp_path / "run", steps=4, heldout_kinds=[unseen])
+    train_drafter(cfg, progress=False)
+    target = LLM(str(tiny_checkpoint), dtype="float32", progress=False).model
+    trained = load_drafter(tmp_path / "run" / "drafter.safetensors", target)
+    fresh = new_drafter(target, "tiny", block_size=4)
+    sets = kind_sets(cfg, per_kind=1000)
+    expect = {r["id"] for r in records
+              if r["answer_ids"] and (r["kind"] == unseen or r["split"] != "train")}  # fmt: skip
+    assert {r["id"] for rs in sets.values() for r in rs} == expect
+    assert any(r["split"] == "train" for r in sets[unseen])
+    assert all(len(rs) <= 1 for rs in kind_sets(cfg, per_kind=1).values())
+    report = kind_report({"trained": trained, "fresh": fresh}, target, cfg, sets)
+    assert report["kinds"][unseen] == {"answers": len(sets[unseen]), "trained_kind": False}
+    assert sum(k["trained_kind"] for k in report["kinds"].values()) == len(sets) - 1
+    cache = FeatureCache(1.0)
+    warm_cache(target, [r for rs in sets.values() for r in rs], trained.config.feature_layers,
+               cfg.max_len, cache)  # fmt: skip
+    for name, drafter in (("trained", trained), ("fresh", fresh)):
+        head, rows = loss_head(target, drafter, cfg)
+        got = report["drafters"][name]
+        for kind, rs in sets.items():
+            assert got["by_kind"][kind] == evaluate(drafter, target, head, rs, cfg, rows, cache)
+        assert got["never_trained_kinds"] == got["by_kind"][unseen]
+        kinds = [k for k in sets if k != unseen]
+        n = sum(len(sets[k]) for k in kinds)
+        mean = sum(got["by_kind"][k]["accepted"] * len(sets[k]) for k in kinds) / n
+        assert got["trained_kinds"]["accepted"] == pytest.approx(mean, abs=1e-4)
+    other = new_drafter(target, "tiny", block_size=4, feature_layers=[0])
+    with pytest.raises(CloverError, match="different target layers"):
+        kind_report({"a": trained, "b": other}, target, cfg, sets)

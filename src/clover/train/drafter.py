@@ -529,6 +529,49 @@ def evaluate(drafter: Drafter, target: torch.nn.Module, head: torch.Tensor, reco
     }
 
 
+def kind_sets(cfg: DrafterTrainConfig, per_kind: int) -> dict[str, list[dict]]:
+    """Every answer a run on `cfg` never trains on, by prompt kind, the first `per_kind` of
+    each: the held-out answers of trained kinds and all answers of `heldout_kinds`."""
+    out: dict[str, list[dict]] = {}
+    for d in cfg.data_dirs:
+        for r in load_examples(d):
+            if not r["answer_ids"] or len(r["prompt_ids"]) + 2 > cfg.max_len:
+                continue
+            if r["kind"] in cfg.heldout_kinds or r["split"] != "train":
+                kind = out.setdefault(r["kind"], [])
+                if len(kind) < per_kind:
+                    kind.append(r)
+    return out
+
+
+def kind_report(drafters: dict[str, Drafter], target: torch.nn.Module, cfg: DrafterTrainConfig,
+                sets: dict[str, list[dict]], progress: bool = False) -> dict:  # fmt: skip
+    """Held-out acceptance by prompt kind (`evaluate` over each kind's answers in `sets`) for
+    each drafter, and over all trained kinds and all `heldout_kinds` (weighted by answers).
+    The target's features are made once for every drafter."""
+    cache = FeatureCache(float("inf"))
+    every = [r for rs in sets.values() for r in rs]
+    layers = {tuple(d.config.feature_layers) for d in drafters.values()}
+    if len(layers) != 1:
+        raise CloverError(f"the drafters read different target layers: {sorted(layers)}")
+    warm_cache(target, every, list(layers.pop()), cfg.max_len, cache, progress=progress)
+    kinds = {k: {"answers": len(rs), "trained_kind": k not in cfg.heldout_kinds}
+             for k, rs in sorted(sets.items())}  # fmt: skip
+    report: dict = {"kinds": kinds, "drafters": {}}
+    for name, drafter in drafters.items():
+        head, rows = loss_head(target, drafter, cfg)
+        by_kind = {k: evaluate(drafter, target, head, sets[k], cfg, rows, cache) for k in kinds}
+        groups = {}
+        for group, trained in (("trained_kinds", True), ("never_trained_kinds", False)):
+            ks = [k for k in kinds if kinds[k]["trained_kind"] == trained]
+            n = sum(kinds[k]["answers"] for k in ks)
+            if n:
+                groups[group] = {m: round(sum(by_kind[k][m] * kinds[k]["answers"] for k in ks)
+                                          / n, 4) for m in ("accepted", "first_token")}  # fmt: skip
+        report["drafters"][name] = {**groups, "by_kind": by_kind}
+    return report
+
+
 # --- the run --------------------------------------------------------------------------------
 
 
