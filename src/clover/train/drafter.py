@@ -182,15 +182,20 @@ def lr_at(step: int, cfg: DrafterTrainConfig) -> float:
 # --- data -----------------------------------------------------------------------------------
 
 
+def usable_examples(data_dir: Path, max_len: int) -> list[dict]:
+    """A distilled directory's records a run can score: an answer, and room for it after the
+    prompt within `max_len`."""
+    return [r for r in load_examples(data_dir)
+            if r["answer_ids"] and len(r["prompt_ids"]) + 2 <= max_len]  # fmt: skip
+
+
 def load_sets(cfg: DrafterTrainConfig) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, held-out prompts of trained kinds, held-out kinds); a training answer comes as
     many times as its directory's weight (`data_weights`)."""
 
     train, heldout, unseen = [], [], []
     for d, weight in zip(cfg.data_dirs, cfg.data_weights or [1] * len(cfg.data_dirs)):
-        for r in load_examples(d):
-            if not r["answer_ids"] or len(r["prompt_ids"]) + 2 > cfg.max_len:
-                continue
+        for r in usable_examples(d, cfg.max_len):
             if r["kind"] in cfg.heldout_kinds:
                 unseen.append(r)
             elif r["split"] == "train":
@@ -534,9 +539,7 @@ def kind_sets(cfg: DrafterTrainConfig, per_kind: int) -> dict[str, list[dict]]:
     each: the held-out answers of trained kinds and all answers of `heldout_kinds`."""
     out: dict[str, list[dict]] = {}
     for d in cfg.data_dirs:
-        for r in load_examples(d):
-            if not r["answer_ids"] or len(r["prompt_ids"]) + 2 > cfg.max_len:
-                continue
+        for r in usable_examples(d, cfg.max_len):
             if r["kind"] in cfg.heldout_kinds or r["split"] != "train":
                 kind = out.setdefault(r["kind"], [])
                 if len(kind) < per_kind:
